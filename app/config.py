@@ -1,0 +1,199 @@
+"""The app's one validated config tree.
+
+Built once by the builder (`app.graph`) from `serve run` arguments, a YAML file, or a
+Serve config's `args:`, validated before any deployment starts, then passed down through
+constructors. Every field says what it does; bad values stop `serve run` with a message.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-qwen3"
+
+
+class Mode(str, enum.Enum):
+    BIDIR = "bidir"
+    """P/D with KV reuse both ways: prefill pulls the history from decode each turn."""
+    ONEWAY = "oneway"
+    """Plain P/D: prefill recomputes the whole conversation every turn."""
+    SINGLE = "single"
+    """One engine per replica, prefix caching, session affinity, no transfer."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class EngineRoleConfig(_Strict):
+    """Replicas and resources of one role (prefill or decode)."""
+
+    num_replicas: int = Field(1, ge=1, description="Serve replicas of this role, one vLLM engine each.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (set to tensor_parallel_size on GPU).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {'decode_pool': 1} to pin a role to a node type.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per engine.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests a replica takes at once; session affinity yields past this."
+    )
+    enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching on this role.")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1 << 20, description="KV cache size per engine (CPU: host RAM). None: vLLM's default sizing."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vllm AsyncEngineArgs for this role (e.g. max_num_batched_tokens).",
+    )
+
+
+class TransferConfig(_Strict):
+    """How KV moves between engines (vLLM NixlConnector)."""
+
+    backend: Literal["UCX", "LIBFABRIC"] = Field(
+        "UCX", description="NIXL backend. UCX works everywhere (EFA via UCX's srd transport); LIBFABRIC for EFA."
+    )
+    kv_buffer_device: Literal["cpu", "cuda"] | None = Field(
+        None, description="Where NIXL reads KV from. None: 'cuda' on GPU machines, 'cpu' otherwise."
+    )
+    recompute_threshold_tokens: int = Field(
+        64, ge=0, description="Prefill recomputes instead of pulling when fewer tokens would be pulled."
+    )
+    decoder_kv_blocks_ttl_s: float = Field(
+        480.0, gt=0, description="How long a decode engine pins a finished turn's blocks for the next pull."
+    )
+    side_channel_base_port: int = Field(
+        5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each node; each replica takes a free one."
+    )
+
+
+class SessionConfig(_Strict):
+    """Sessions, KV handles and routing."""
+
+    session_header: str = Field("x-session-id", description="HTTP header naming a turn's session.")
+    match_sessionless: bool = Field(
+        True, description="Find the session of a request without header by matching its prompt tokens."
+    )
+    token_in_token_out: bool = Field(
+        True,
+        description=(
+            "Re-use the exact token ids generated for an answer when the client re-sends its text, "
+            "instead of re-tokenizing it (which can give other ids and cut reuse short)."
+        ),
+    )
+    handle_ttl_s: float = Field(
+        420.0, gt=0, description="How long a stored KV handle may be used; must be below decoder_kv_blocks_ttl_s."
+    )
+    max_sessions: int = Field(10_000, ge=1, description="Conversations kept (LRU); older ones lose their handle.")
+    max_pinned_blocks_per_engine: int = Field(
+        1_000_000, ge=1, description="Blocks the store lets one decode engine keep pinned for waiting sessions."
+    )
+    store_shards: int = Field(1, ge=1, description="Ray actors holding handles, sharded by session.")
+    prefill_routing: Literal["least_loaded", "sticky"] = Field(
+        "least_loaded", description="Prefill replica choice: least loaded, or the one that served the session last."
+    )
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="Ingress (HTTP/handle) replicas.")
+    num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica.")
+    max_ongoing_requests: int = Field(256, ge=1)
+
+
+class AppConfig(_Strict):
+    """Everything the app needs, validated before anything starts."""
+
+    mode: Mode = Field(Mode.BIDIR, description="bidir (this project), oneway (plain P/D) or single (no P/D).")
+    model: str = Field(
+        str(DEFAULT_MODEL), description="Hugging Face model id or local path. Default: the embedded tiny model."
+    )
+    served_model_name: str | None = Field(None, description="Name clients use in `model`. Default: the model's name.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or path. Default: the model's.")
+    dtype: str = Field("auto", description="vLLM dtype, e.g. bfloat16.")
+    load_format: str = Field("auto", description="vLLM load format; 'dummy' for random weights from a config.")
+    max_model_len: int = Field(4096, ge=16, description="Longest prompt + answer, in tokens.")
+    block_size: int = Field(32, ge=1, description="KV block size; equal on prefill and decode.")
+    enforce_eager: bool = Field(False, description="Skip graph compilation (faster start, slower steps).")
+    default_max_tokens: int = Field(256, ge=1, description="Answer length when a request sets none.")
+    prefill: EngineRoleConfig = Field(default_factory=EngineRoleConfig)
+    decode: EngineRoleConfig = Field(default_factory=EngineRoleConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    app_name: str = Field("default", description="Serve application name the graph is deployed under.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for engine replicas (e.g. UCX_NET_DEVICES, FI_PROVIDER)."
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _local_model_exists(cls, value: str) -> str:
+        looks_local = value.startswith(("/", "./", "../", "~")) or value.startswith("models/")
+        path = Path(value).expanduser()
+        if looks_local and not path.exists():
+            hint = " (run `make model` to build the embedded default)" if path == DEFAULT_MODEL else ""
+            raise ValueError(f"model path {value!r} does not exist{hint}")
+        return str(path) if looks_local else value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "AppConfig":
+        if self.sessions.handle_ttl_s >= self.transfer.decoder_kv_blocks_ttl_s:
+            raise ValueError(
+                "sessions.handle_ttl_s must be shorter than transfer.decoder_kv_blocks_ttl_s "
+                f"({self.sessions.handle_ttl_s} >= {self.transfer.decoder_kv_blocks_ttl_s}): "
+                "a handle must never outlive the blocks it points to"
+            )
+        if self.prefill.tensor_parallel_size != self.decode.tensor_parallel_size and self.mode is not Mode.SINGLE:
+            # NixlConnector maps TP ranks for homogeneous layouts only in our tested set-up.
+            raise ValueError("prefill and decode must use the same tensor_parallel_size")
+        if self.default_max_tokens >= self.max_model_len:
+            raise ValueError("default_max_tokens must be below max_model_len")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def reuses_kv(self) -> bool:
+        return self.mode is Mode.BIDIR
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode is not Mode.SINGLE
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] | None) -> "AppConfig":
+        """Build from `serve run app:graph key=value ...` arguments or a Serve config's `args`.
+
+        Keys may be dotted (`prefill.num_replicas=2`); `config=path.yaml` loads a file first,
+        other keys override it. `serve run` passes every value as a string: pydantic
+        converts them, and JSON-looking values (`{...}`, `[...]`) are parsed.
+        """
+        args = dict(args or {})
+        tree: dict[str, Any] = {}
+        config_file = args.pop("config", None)
+        if config_file:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{config_file}: expected a mapping at the top level")
+            tree.update(loaded)
+        for key, value in args.items():
+            if isinstance(value, str) and value[:1] in "{[":
+                value = yaml.safe_load(value)
+            node = tree
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"argument {key!r} nests under a non-mapping value")
+            node[leaf] = value
+        return cls.model_validate(tree)

@@ -1,0 +1,261 @@
+"""The seam between our servers and vLLM.
+
+`Engine` is the narrow interface the engine servers use; `VLLMEngine` implements it with
+vLLM's `AsyncLLM` and the NixlConnector. Unit tests substitute a fake that follows the
+same contract. Only this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from app.config import AppConfig, EngineRoleConfig, Mode
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling options we pass through to the engines."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request to one engine. `kv_params` is wire form built by `connector.handle`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    kv_params: dict[str, Any] | None = None
+    preferred_replica: str | None = None
+    """Replica the session last used; read by the request router, not by the engine."""
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """A delta of an engine's output. The last chunk has `finished` and the totals."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_params: dict[str, Any] | None = None
+
+
+@dataclass
+class PromptTokenCounts:
+    """Cumulative prompt-token accounting of one engine, from its scheduler's stats."""
+
+    computed: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    total: int = 0
+    requests: int = 0
+
+    def add(self, computed: int, local: int, external: int, total: int) -> None:
+        self.computed += computed
+        self.local_cache_hit += local
+        self.external_kv_transfer += external
+        self.total += total
+
+
+class Engine(Protocol):
+    """What an engine server needs from an inference engine."""
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def counts(self) -> PromptTokenCounts: ...
+
+    def shutdown(self) -> None: ...
+
+
+def free_port_block(start: int, width: int, host: str = "") -> int:
+    """First port >= start such that [port, port + width) can all be bound now.
+
+    Each replica on a node calls this before starting its engine, so replicas on one
+    node get distinct NIXL side-channel ports (vLLM adds the TP rank to the base port).
+    """
+    port = start
+    while port + width < 65535:
+        socks = []
+        try:
+            for offset in range(width):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port + offset))
+            return port
+        except OSError:
+            port += width
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no free port block of width {width} from {start}")
+
+
+def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, transfer: bool):
+    """vLLM AsyncEngineArgs for one role. `transfer` adds the NixlConnector."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    kv_transfer_config = None
+    if transfer:
+        device = cfg.transfer.kv_buffer_device or ("cpu" if current_platform.is_cpu() else "cuda")
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_buffer_device=device,
+            engine_id=engine_id,
+            # Prefill answers normally when a pull fails; decode never fails a turn either.
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "backends": [cfg.transfer.backend],
+                "bidirectional_kv_xfer": cfg.mode is Mode.BIDIR,
+                "kv_recompute_threshold": cfg.transfer.recompute_threshold_tokens,
+                "decoder_kv_blocks_ttl": cfg.transfer.decoder_kv_blocks_ttl_s,
+            },
+        )
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        tokenizer=cfg.tokenizer,
+        served_model_name=[cfg.model_name],
+        dtype=cfg.dtype,
+        load_format=cfg.load_format,
+        max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=role.enable_prefix_caching,
+        tensor_parallel_size=role.tensor_parallel_size,
+        kv_transfer_config=kv_transfer_config,
+        disable_log_stats=False,
+    )
+    if role.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = role.kv_cache_memory_bytes
+    kwargs.update(role.engine_kwargs)
+    return AsyncEngineArgs(**kwargs)
+
+
+class VLLMEngine:
+    """A vLLM `AsyncLLM` in this process (its engine core runs in a child process)."""
+
+    def __init__(self, cfg: AppConfig, role: EngineRoleConfig, *, name: str, transfer: bool, node_ip: str):
+        self._cfg = cfg
+        self._role = role
+        self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self._transfer = transfer
+        self._node_ip = node_ip
+        self._counts = PromptTokenCounts()
+        self._llm = None
+        self.side_channel: tuple[str, int] | None = None
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        for key, value in self._cfg.env.items():
+            os.environ[key] = value
+        if self._transfer:
+            # Read by the engine-core process vLLM spawns next: its NIXL side channel.
+            port = free_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+            self.side_channel = (self._node_ip, port)
+        args = engine_args(self._cfg, self._role, engine_id=self.engine_id, transfer=self._transfer)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        # One ordinary request before any transfer: a CPU worker was seen to crash on its
+        # first request after a NIXL read otherwise.
+        warm = EngineRequest("warmup-" + uuid.uuid4().hex, tuple(range(1, 9)), Sampling(max_tokens=2))
+        async for _ in self.generate(warm):
+            pass
+        self._counts = PromptTokenCounts()
+
+    def _stat_logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counts_of = lambda: self._counts  # noqa: E731  (counts are reset after warm-up)
+
+        class _Counter(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if iteration_stats is None:
+                    return
+                p = iteration_stats.prompt_token_stats
+                counts = counts_of()
+                counts.add(p.computed, p.local_cache_hit, p.external_kv_transfer, p.total)
+                counts.requests += len(iteration_stats.finished_requests)
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Counter
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": request.kv_params} if request.kv_params else None,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        async for out in self._llm.generate(prompt, params, request_id=request.request_id):
+            completion = out.outputs[0]
+            yield EngineChunk(
+                token_ids=tuple(completion.token_ids),
+                text=completion.text,
+                finished=out.finished,
+                finish_reason=completion.finish_reason if out.finished else None,
+                stop_reason=completion.stop_reason if out.finished else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens or 0,
+                kv_params=out.kv_transfer_params if out.finished else None,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def counts(self) -> PromptTokenCounts:
+        return self._counts
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+@dataclass
+class EngineInfo:
+    """What a server tells the ingress about itself."""
+
+    replica_id: str
+    engine_id: str
+    side_channel: tuple[str, int] | None
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,318 @@
+"""The ingress deployment: OpenAI-compatible HTTP API and Python handle methods.
+
+It renders chat prompts, runs each turn through `app.turns.Turns`, and turns events into
+OpenAI response bodies (streaming SSE or not). Errors become OpenAI-style bodies in one
+place (`_error_response`); clients never reach the engines' transfer machinery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AppConfig
+from app.engine import EngineChunk, EngineRequest, Sampling
+from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.routing import replica_alive
+from app.turns import Delta, TurnInput, TurnResult, Turns
+from connector.actor import StoreClient
+
+logger = logging.getLogger("ray.serve")
+api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    if isinstance(exc, APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(APIError(400, "the request body is not valid JSON"))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return _error_response(APIError(400, message, param=".".join(loc) or None))
+    logger.exception("internal error")
+    return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+
+
+api.add_exception_handler(APIError, lambda request, exc: _error_response(exc))
+api.add_exception_handler(RequestValidationError, lambda request, exc: _error_response(exc))
+
+
+class _HFTokenizer:
+    def __init__(self, name: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(name)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        try:
+            return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise APIError(400, f"messages could not be rendered by the chat template: {exc}", param="messages")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+
+class ServeEngineClients:
+    """`EngineClients` over Serve deployment handles."""
+
+    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle):
+        self._prefill = prefill
+        self._decode = decode.options(stream=True)
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        return await self._prefill.prefill.remote(request)
+
+    async def decode(self, request: EngineRequest):
+        async for item in self._decode.generate.remote(request):
+            yield item
+
+    def decode_alive(self, replica_id: str) -> bool | None:
+        return replica_alive("DecodeServer", replica_id)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    """HTTP routes and handle methods. Handle callers: `chat`, `chat_stream`,
+    `completions`, `completions_stream` take the OpenAI body as a dict."""
+
+    def __init__(self, cfg: AppConfig, prefill: DeploymentHandle | None, decode: DeploymentHandle):
+        self._cfg = cfg
+        self._prefill = prefill
+        self._decode = decode
+        self._tok = _HFTokenizer(cfg.tokenizer or cfg.model)
+        store = None
+        if cfg.reuses_kv or cfg.mode.value == "single":
+            s = cfg.sessions
+            store = StoreClient.connect(
+                cfg.app_name,
+                s.store_shards,
+                handle_ttl_s=s.handle_ttl_s,
+                decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
+                max_sessions=s.max_sessions,
+                max_blocks_per_engine=s.max_pinned_blocks_per_engine,
+                index_block_size=cfg.block_size,
+            )
+        self._store = store
+        self._turns = Turns(cfg, ServeEngineClients(prefill, decode), store, self._tok)
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": self._cfg.model_name, "object": "model", "created": 0, "owned_by": "kvturn"}],
+        }
+
+    @api.post("/v1/chat/completions")
+    async def http_chat(self, request: Request):
+        return await self._http(request, ChatCompletionRequest, self._chat_events, "chat.completion")
+
+    @api.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._http(request, CompletionRequest, self._completion_events, "text_completion")
+
+    @api.get("/v1/kv/stats")
+    async def kv_stats(self) -> dict:
+        """Reuse counters: this ingress replica's turns, the handle store, the engines."""
+        return await self.stats()
+
+    async def _http(self, request: Request, model_cls, events, kind: str):
+        try:
+            raw = await request.body()
+            try:
+                data = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise APIError(400, "the request body is not valid JSON")
+            if not isinstance(data, dict):
+                raise APIError(400, "the request body must be a JSON object")
+            body = model_cls.model_validate(data)
+            session_id = request.headers.get(self._cfg.sessions.session_header)
+            turn, stream = self._prepare(body, session_id, events)
+            if body.stream:
+                return StreamingResponse(self._sse(kind, body, turn), media_type="text/event-stream")
+            result = await self._collect(kind, body, turn)
+            return JSONResponse(result, headers={self._cfg.sessions.session_header: result["session_id"]})
+        except Exception as exc:
+            return _error_response(exc)
+
+    # -- handle methods -----------------------------------------------------------------
+
+    async def chat(self, body: dict, session_id: str | None = None) -> dict:
+        """Non-streaming chat completion for `DeploymentHandle` callers. Raises APIError."""
+        return await self._call(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id)
+
+    async def chat_stream(self, body: dict, session_id: str | None = None) -> AsyncIterator[dict]:
+        """Streaming chat completion chunks (use `handle.options(stream=True)`)."""
+        async for chunk in self._call_stream(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id):
+            yield chunk
+
+    async def completions(self, body: dict, session_id: str | None = None) -> dict:
+        return await self._call(CompletionRequest, self._completion_events, "text_completion", body, session_id)
+
+    async def completions_stream(self, body: dict, session_id: str | None = None) -> AsyncIterator[dict]:
+        async for chunk in self._call_stream(CompletionRequest, self._completion_events, "text_completion", body, session_id):
+            yield chunk
+
+    async def stats(self) -> dict:
+        out: dict[str, Any] = {"turns": dict(self._turns.counts)}
+        if self._store is not None:
+            out["store"] = await self._store.stats()
+        return out
+
+    async def _call(self, model_cls, events, kind, body, session_id):
+        parsed = self._validate(model_cls, body)
+        turn, _ = self._prepare(parsed, session_id, events)
+        return await self._collect(kind, parsed, turn)
+
+    async def _call_stream(self, model_cls, events, kind, body, session_id):
+        parsed = self._validate(model_cls, body)
+        turn, _ = self._prepare(parsed, session_id, events)
+        async for chunk in self._chunks(kind, parsed, turn):
+            yield chunk
+
+    @staticmethod
+    def _validate(model_cls, body: dict):
+        try:
+            return model_cls.model_validate(body)
+        except ValidationError as exc:
+            response = _error_response(exc)
+            raise APIError(response.status_code, json.loads(response.body)["error"]["message"])
+
+    # -- turns -> OpenAI bodies ---------------------------------------------------------
+
+    def _prepare(self, body, session_id: str | None, events) -> tuple[TurnInput, Any]:
+        if body.model != self._cfg.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist.", type="NotFoundError", param="model", code="model_not_found")
+        text, ids = events(body)
+        if ids is not None and any(t < 0 or t >= self._vocab_limit() for t in ids):
+            raise APIError(400, "prompt token ids out of the vocabulary's range", param="prompt")
+        limit = body.answer_limit
+        sampling = Sampling(
+            max_tokens=limit or self._cfg.default_max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_list,
+            ignore_eos=body.ignore_eos,
+        )
+        turn = TurnInput(
+            request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
+            sampling=sampling,
+            session_id=session_id,
+            prompt_text=text,
+            prompt_ids=ids,
+            max_tokens_given=limit is not None,
+        )
+        return turn, body.stream
+
+    def _vocab_limit(self) -> int:
+        return len(self._tok._tok)
+
+    def _chat_events(self, body: ChatCompletionRequest):
+        try:
+            messages = [m.for_template() for m in body.messages]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages")
+        return self._tok.render(messages, body.tools), None
+
+    def _completion_events(self, body: CompletionRequest):
+        return body.prompt_text_or_ids()
+
+    @staticmethod
+    def _usage(result: TurnResult) -> dict:
+        return {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        }
+
+    async def _collect(self, kind: str, body, turn: TurnInput) -> dict:
+        texts: list[str] = []
+        token_ids: list[int] = []
+        result = None
+        async for event in self._turns.run(turn):
+            if isinstance(event, Delta):
+                texts.append(event.text)
+                token_ids.extend(event.token_ids)
+            else:
+                result = event
+        text = "".join(texts)
+        if kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": result.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
+        response = {
+            "id": turn.request_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self._cfg.model_name,
+            "choices": [choice],
+            "usage": self._usage(result),
+            "session_id": result.session_id,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids
+            response["prompt_token_ids"] = list(result.prompt_token_ids)
+        return response
+
+    async def _chunks(self, kind: str, body, turn: TurnInput) -> AsyncIterator[dict]:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        created = int(time.time())
+
+        def envelope(choices: list, **extra) -> dict:
+            return {"id": turn.request_id, "object": chunk_kind, "created": created, "model": self._cfg.model_name, "choices": choices, **extra}
+
+        if kind == "chat.completion":
+            yield envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async for event in self._turns.run(turn):
+            if isinstance(event, Delta):
+                if kind == "chat.completion":
+                    choice = {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "text": event.text, "finish_reason": None}
+                if body.return_token_ids:
+                    choice["token_ids"] = list(event.token_ids)
+                yield envelope([choice])
+                continue
+            last = {"index": 0, "finish_reason": event.finish_reason}
+            last.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
+            extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}
+            yield envelope([last], session_id=event.session_id, **extra)
+            if body.include_usage:
+                yield envelope([], usage=self._usage(event), session_id=event.session_id)
+
+    async def _sse(self, kind: str, body, turn: TurnInput) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._chunks(kind, body, turn):
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:  # headers are sent: report the error in-stream
+            yield f"data: {json.dumps(json.loads(_error_response(exc).body))}\n\n"
+        yield "data: [DONE]\n\n"

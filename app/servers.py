@@ -1,0 +1,97 @@
+"""Engine replicas: Ray Serve deployments that each own one vLLM engine.
+
+`PrefillServer` runs the prefill leg of a turn (one token, KV kept for decode);
+`DecodeServer` reads the prompt's KV and streams the answer. Both are called only by the
+ingress, through deployment handles, with `EngineRequest`s whose transfer params were
+built by `connector.handle`. Each replica reports its Serve replica id with its output,
+which the ingress stores with the session for affinity on the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+
+from app.config import AppConfig, EngineRoleConfig
+from app.engine import Engine, EngineChunk, EngineInfo, EngineRequest, VLLMEngine
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineServer:
+    """Shared body of both roles. `engine` is injectable for tests of this class."""
+
+    role = "engine"
+
+    async def __init__(self, cfg: AppConfig, role_cfg: EngineRoleConfig, *, transfer: bool, engine: Engine | None = None):
+        self._cfg = cfg
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        node_ip = ray.util.get_node_ip_address()
+        self._engine = engine or VLLMEngine(
+            cfg, role_cfg, name=f"{self.role}-{self.replica_id}", transfer=transfer, node_ip=node_ip
+        )
+        await self._engine.start()
+        logger.info("%s replica %s ready (engine %s)", self.role, self.replica_id, self.info().engine_id)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            replica_id=self.replica_id,
+            engine_id=getattr(self._engine, "engine_id", self.replica_id),
+            side_channel=getattr(self._engine, "side_channel", None),
+        )
+
+    def stats(self) -> dict:
+        """Cumulative prompt-token counts: computed, local prefix hits, pulled over NIXL."""
+        c = self._engine.counts()
+        return {
+            "replica_id": self.replica_id,
+            "engine_id": self.info().engine_id,
+            "prompt_tokens_total": c.total,
+            "prompt_tokens_computed": c.computed,
+            "prompt_tokens_local_hit": c.local_cache_hit,
+            "prompt_tokens_external": c.external_kv_transfer,
+            "requests": c.requests,
+        }
+
+    async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        finished = False
+        try:
+            async for chunk in self._engine.generate(request):
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:  # the caller went away: free the engine's slot and blocks
+                await self._engine.abort(request.request_id)
+
+    def __del__(self):
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        """Compute the prompt (pulling what the transfer params allow) and keep its KV
+        for a decode engine. Returns the final output and this replica's id."""
+        last = None
+        async for chunk in self._run(request):
+            last = chunk
+        return last, self.replica_id
+
+
+@serve.deployment(name="DecodeServer")
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
+        """Stream the answer. Called with `handle.options(stream=True)`; every item
+        carries this replica's id, the last one the engine's final transfer params."""
+        async for chunk in self._run(request):
+            yield chunk, self.replica_id

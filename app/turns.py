@@ -1,0 +1,279 @@
+"""One turn of a conversation, end to end: the orchestration the ingress runs.
+
+    session   -> which conversation is this? (header, or prompt-token match)
+    prompt    -> token ids (re-using the ids generated last turn: token-in/token-out)
+    handle    -> claim the decode engine's KV of the last turn, verify it token by token,
+                 cap it to the common prefix
+    prefill   -> pull that KV from decode, compute only the rest, keep the result
+    decode    -> read back only what it lacks (prefers the session's replica), stream
+    store     -> keep the decode engine's new handle with the exact token sequence
+
+Every fallback (no handle, expired, mismatched, replica gone, failed pull) recomputes and
+answers normally; each is counted in `TurnCounters`. Engines are reached through the
+`EngineClients` seam, the store through `StoreClient`, so unit tests run this real logic
+with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+from app.config import AppConfig, Mode
+from app.engine import EngineChunk, EngineRequest, Sampling
+from app.protocol import APIError
+from connector.handle import KVHandle, WireError, prefill_params
+from connector.store import Claim, Conversation, TurnOutcome, restrict
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def piece(self, token_id: int) -> str:
+        """The text of one special token, as a chat template writes it."""
+        ...
+
+
+class EngineClients(Protocol):
+    """How the orchestration reaches engine replicas (Serve handles in production)."""
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]: ...
+
+    def decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]: ...
+
+    def decode_alive(self, replica_id: str) -> bool | None: ...
+
+
+class Store(Protocol):
+    async def match(self, prompt_ids: Sequence[int]) -> tuple[str | None, int]: ...
+
+    async def begin_turn(self, session_id: str) -> Claim: ...
+
+    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None: ...
+
+    async def drop_engine(self, engine_id: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    request_id: str
+    sampling: Sampling
+    session_id: str | None = None
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    max_tokens_given: bool = True
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """The end of a turn: what the client is told, and the reuse facts behind it."""
+
+    session_id: str
+    finish_reason: str
+    prompt_token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reused_from_decode: int
+    """Positions of the history offered to prefill from the decode engine (after capping)."""
+    miss_reason: str | None
+    spliced: bool
+
+
+TurnEvent = Delta | TurnResult
+
+
+class Turns:
+    """Runs turns. One instance per ingress replica; safe for concurrent turns."""
+
+    def __init__(self, cfg: AppConfig, clients: EngineClients, store: Store | None, tokenizer: Tokenizer):
+        self._cfg = cfg
+        self._clients = clients
+        self._store = store if cfg.mode is not Mode.ONEWAY else None
+        self._tok = tokenizer
+        self.counts: Counter[str] = Counter()
+
+    async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
+        session_id, prompt_ids, claim = await self._resolve_session(turn)
+        outcome, new_conv = TurnOutcome.UNUSED, None
+        try:
+            conv = claim.conversation if claim else None
+            prompt_ids, spliced = self._prompt_ids(turn, prompt_ids, conv)
+            sampling = self._fit(turn, prompt_ids)
+            history, miss = await self._verified_history(claim, prompt_ids)
+            decode_params, cached, pulled = None, 0, 0
+            if self._cfg.disaggregated:
+                decode_params, cached = await self._prefill(turn, prompt_ids, history)
+                if history is not None:
+                    outcome, pulled = TurnOutcome.PULLED, history.num_tokens
+            request = EngineRequest(
+                request_id=turn.request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                kv_params=decode_params,
+                preferred_replica=conv.decode_replica if conv else None,
+            )
+            generated: list[int] = []
+            texts: list[str] = []
+            final, replica = None, None
+            async for chunk, replica in self._clients.decode(request):
+                generated.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                if chunk.token_ids or chunk.text:
+                    yield Delta(chunk.text, chunk.token_ids)
+                if chunk.finished:
+                    final = chunk
+            if final is None:
+                raise RuntimeError("decode engine ended the stream without a final output")
+            if not self._cfg.disaggregated:
+                cached = final.num_cached_tokens
+            new_conv = self._conversation(session_id, turn, prompt_ids, generated, "".join(texts), final, replica)
+            self.counts["turns"] += 1
+            self.counts["prompt_tokens"] += len(prompt_ids)
+            self.counts["cached_tokens"] += cached
+            yield TurnResult(
+                session_id=session_id,
+                finish_reason=final.finish_reason or "stop",
+                prompt_token_ids=tuple(prompt_ids),
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(generated),
+                cached_tokens=cached,
+                reused_from_decode=pulled,
+                miss_reason=miss,
+                spliced=spliced,
+            )
+        except BaseException:
+            if outcome is TurnOutcome.PULLED or (claim and claim.handle):
+                outcome = TurnOutcome.FAILED
+            raise
+        finally:
+            if claim is not None and self._store is not None:
+                # Shielded: runs even when the client disconnects mid-stream.
+                await asyncio.shield(self._store.end_turn(claim, outcome, new_conv))
+
+    # -- steps -------------------------------------------------------------------------
+
+    async def _resolve_session(self, turn: TurnInput) -> tuple[str, tuple[int, ...] | None, Claim | None]:
+        session_id, prompt_ids = turn.session_id, turn.prompt_ids
+        if self._store is None:
+            return session_id or _new_session(), prompt_ids, None
+        if session_id is None and self._cfg.sessions.match_sessionless:
+            if prompt_ids is None:
+                prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
+            session_id, _ = await self._store.match(prompt_ids)
+            self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
+        session_id = session_id or _new_session()
+        claim = await self._store.begin_turn(session_id)
+        return session_id, prompt_ids, claim
+
+    def _prompt_ids(self, turn: TurnInput, prompt_ids, conv: Conversation | None) -> tuple[tuple[int, ...], bool]:
+        text = turn.prompt_text
+        if text is None:
+            return tuple(prompt_ids), False
+        if (
+            self._cfg.sessions.token_in_token_out
+            and conv is not None
+            and conv.text is not None
+            and text.startswith(conv.text)
+        ):
+            self.counts["spliced"] += 1
+            return conv.token_ids + tuple(self._tok.encode(text[len(conv.text) :])), True
+        if prompt_ids is None:
+            prompt_ids = tuple(self._tok.encode(text))
+        return tuple(prompt_ids), False
+
+    def _fit(self, turn: TurnInput, prompt_ids: Sequence[int]) -> Sampling:
+        room = self._cfg.max_model_len - len(prompt_ids)
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="messages")
+        if room < 1 or (turn.max_tokens_given and turn.sampling.max_tokens > room):
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self._cfg.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and {turn.sampling.max_tokens} were requested for the answer.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if not turn.max_tokens_given and turn.sampling.max_tokens > room:
+            return Sampling(**{**turn.sampling.__dict__, "max_tokens": room})
+        return turn.sampling
+
+    async def _verified_history(self, claim: Claim | None, prompt_ids: Sequence[int]) -> tuple[KVHandle | None, str | None]:
+        if claim is None:
+            return None, None
+        if claim.handle is None:
+            self.counts[f"miss_{claim.miss_reason}"] += 1
+            return None, claim.miss_reason
+        conv = claim.conversation
+        if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
+            self.counts["miss_replica_gone"] += 1
+            await self._store.drop_engine(claim.handle.engine_id)
+            return None, "replica_gone"
+        handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids)
+        if drift:
+            self.counts["drift_cut"] += 1
+            self.counts["drift_tokens"] += drift
+        if handle.num_tokens < max(1, self._cfg.transfer.recompute_threshold_tokens):
+            self.counts["miss_prefix_mismatch" if handle.num_tokens < conv.prompt_len else "miss_too_short"] += 1
+            return None, "prefix_mismatch" if handle.num_tokens < conv.prompt_len else "too_short"
+        self.counts["handle_used"] += 1
+        return handle, None
+
+    async def _prefill(self, turn: TurnInput, prompt_ids, history: KVHandle | None) -> tuple[dict | None, int]:
+        """Run the prefill leg. Returns params for decode (None: decode computes all) and
+        the prompt tokens prefill did not compute."""
+        request = EngineRequest(
+            request_id=turn.request_id + "-prefill",
+            prompt_token_ids=prompt_ids,
+            sampling=Sampling(max_tokens=1, temperature=0.0),
+            kv_params=prefill_params(history),
+        )
+        final, _ = await self._clients.prefill(request)
+        cached = final.num_cached_tokens
+        if history is not None and cached + self._cfg.block_size <= history.num_tokens:
+            # Prefill's recompute policy took over: the pull failed or was skipped.
+            self.counts["pull_short"] += 1
+        try:
+            return KVHandle.from_wire(final.kv_params).to_wire(), cached
+        except WireError:
+            self.counts["prefill_no_handle"] += 1
+            return None, cached
+
+    def _conversation(self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica) -> Conversation:
+        handle = None
+        if self._cfg.reuses_kv:
+            try:
+                handle = KVHandle.from_wire(final.kv_params)
+            except WireError:
+                self.counts["decode_no_handle"] += 1
+        return Conversation(
+            session_id=session_id,
+            token_ids=tuple(prompt_ids) + tuple(generated),
+            prompt_len=len(prompt_ids),
+            text=self._answer_text(turn, generated, text, final),
+            handle=handle,
+            decode_replica=replica,
+        )
+
+    def _answer_text(self, turn: TurnInput, generated, text: str, final: EngineChunk) -> str | None:
+        """Rendered text equal to prompt + generated ids, or None if not exactly known."""
+        if turn.prompt_text is None or isinstance(final.stop_reason, str):
+            return None  # token prompts, or a stop string cut the text off the ids
+        suffix = ""
+        if final.finish_reason == "stop" and generated:
+            # The stop/EOS token is in the ids but not in the text the client receives.
+            suffix = self._tok.piece(generated[-1])
+        return turn.prompt_text + text + suffix
+
+
+def _new_session() -> str:
+    return "s-" + uuid.uuid4().hex

@@ -1,0 +1,92 @@
+"""Shared fixtures. End-to-end tests share one Ray cluster and two Serve apps per run:
+
+* `pd`: the product (bidir mode): 1 prefill replica, 2 decode replicas, real vLLM CPU
+  engines, real NIXL over UCX on loopback. Prefill's own prefix cache is off, so every
+  reused history token on prefill is a token pulled from decode, and the counts prove it.
+* `ref`: one plain engine (single mode) that recomputes, for token-for-token comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "tiny-qwen3"
+PD_PORT = 8123
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "e2e" in item.nodeid or "tests/e2e" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+def pd_config(**overrides):
+    from app.config import AppConfig
+
+    tree = {
+        "mode": "bidir",
+        "model": str(MODEL),
+        "enforce_eager": True,
+        "max_model_len": 2048,
+        "default_max_tokens": 16,
+        "prefill": {"num_cpus": 0.5, "enable_prefix_caching": False, "kv_cache_memory_bytes": 128 << 20},
+        "decode": {"num_cpus": 0.5, "num_replicas": 2, "kv_cache_memory_bytes": 128 << 20},
+        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu"},
+        "sessions": {"handle_ttl_s": 300},
+        "app_name": "pd",
+    }
+    for key, value in overrides.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return AppConfig.model_validate(tree)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvturn-tests")
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def apps(ray_cluster):
+    """Deploy `pd` and `ref` once for the whole run (engines start in parallel)."""
+    from ray import serve
+
+    from app.builder import build
+    from app.config import Mode
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PD_PORT})
+    started = time.monotonic()
+    pd = pd_config()
+    ref = pd_config(mode=Mode.SINGLE.value, app_name="ref", **{"decode.num_replicas": 1})
+    serve._run(build(pd), name="pd", route_prefix="/", _blocking=False)
+    serve._run(build(ref), name="ref", route_prefix="/ref", _blocking=False)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        status = serve.status().applications
+        states = {name: status[name].status for name in ("pd", "ref") if name in status}
+        if states == {"pd": "RUNNING", "ref": "RUNNING"}:
+            break
+        if any(s in ("DEPLOY_FAILED", "UNHEALTHY") for s in states.values()):
+            raise RuntimeError(f"deployment failed: {status}")
+        time.sleep(2)
+    else:
+        raise RuntimeError(f"apps did not start: {serve.status()}")
+    print(f"\napps running after {time.monotonic() - started:.0f} s")
+    yield {"pd": pd, "ref": ref, "url": f"http://127.0.0.1:{PD_PORT}"}
