@@ -34,8 +34,9 @@ $(MODEL_DIR)/config.json: $(STAMP) app/default_model.py
 
 model: $(MODEL_DIR)/config.json
 
+# Both engines on this machine: keep UCX (NIXL's transport) on loopback.
 run: $(STAMP) $(MODEL_DIR)/config.json
-	$(VENV)/bin/serve run app:graph
+	UCX_NET_DEVICES=$${UCX_NET_DEVICES:-lo} $(VENV)/bin/serve run app:graph $(ARGS)
 
 test: $(STAMP) $(MODEL_DIR)/config.json
 	$(PY) -m pytest -v -rs $(PYTEST_ARGS)

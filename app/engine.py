@@ -42,6 +42,14 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class ReplicaQuery:
+    """Argument of calls aimed at one replica (e.g. `stats`): the request router sends
+    it to `preferred_replica` while that replica lives."""
+
+    preferred_replica: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineChunk:
     """A delta of an engine's output. The last chunk has `finished` and the totals."""
 
@@ -64,6 +72,8 @@ class PromptTokenCounts:
     external_kv_transfer: int = 0
     total: int = 0
     requests: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction of KV blocks in use (running requests and blocks pinned for transfer)."""
 
     def add(self, computed: int, local: int, external: int, total: int) -> None:
         self.computed += computed
@@ -86,27 +96,64 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def free_port_block(start: int, width: int, host: str = "") -> int:
-    """First port >= start such that [port, port + width) can all be bound now.
+_PORT_REGISTRY = "/tmp/kvturn-side-channel-ports"
 
-    Each replica on a node calls this before starting its engine, so replicas on one
-    node get distinct NIXL side-channel ports (vLLM adds the TP rank to the base port).
+
+def _bindable(port: int, width: int) -> bool:
+    socks = []
+    try:
+        for offset in range(width):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("", port + offset))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def reserve_port_block(start: int, width: int, registry: str = _PORT_REGISTRY) -> int:
+    """Reserve [port, port + width) for this process's NIXL side channel on this node.
+
+    Replicas on one node start at the same time, so a plain "is it free?" check races:
+    reservations go through a node-local file under an exclusive lock, and entries of
+    processes that are gone are dropped. vLLM adds the TP rank to the base port.
     """
-    port = start
-    while port + width < 65535:
-        socks = []
+    import fcntl
+
+    with open(registry + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            for offset in range(width):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, port + offset))
-            return port
-        except OSError:
-            port += width
+            taken: dict[int, int] = {}
+            if os.path.exists(registry):
+                for line in open(registry).read().split():
+                    pid, port = (int(x) for x in line.split(":"))
+                    if _pid_alive(pid):
+                        taken[port] = pid
+            port = start
+            while port + width < 65535:
+                clash = any(p in taken for p in range(port, port + width))
+                if not clash and _bindable(port, width):
+                    taken[port] = os.getpid()
+                    with open(registry, "w") as f:
+                        f.write(" ".join(f"{pid}:{p}" for p, pid in taken.items()))
+                    return port
+                port += width
+            raise RuntimeError(f"no free port block of width {width} from {start}")
         finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no free port block of width {width} from {start}")
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, transfer: bool):
@@ -172,7 +219,7 @@ class VLLMEngine:
             os.environ[key] = value
         if self._transfer:
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
-            port = free_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
+            port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
             self.side_channel = (self._node_ip, port)
@@ -195,10 +242,12 @@ class VLLMEngine:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                counts = counts_of()
+                if scheduler_stats is not None:
+                    counts.kv_cache_usage = scheduler_stats.kv_cache_usage
                 if iteration_stats is None:
                     return
                 p = iteration_stats.prompt_token_stats
-                counts = counts_of()
                 counts.add(p.computed, p.local_cache_hit, p.external_kv_transfer, p.total)
                 counts.requests += len(iteration_stats.finished_requests)
 

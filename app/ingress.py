@@ -158,7 +158,7 @@ class Ingress:
             if body.stream:
                 return StreamingResponse(self._sse(kind, body, turn), media_type="text/event-stream")
             result = await self._collect(kind, body, turn)
-            return JSONResponse(result, headers={self._cfg.sessions.session_header: result["session_id"]})
+            return JSONResponse(result, headers={self._cfg.sessions.session_header: result["kvturn"]["session_id"]})
         except Exception as exc:
             return _error_response(exc)
 
@@ -254,6 +254,18 @@ class Ingress:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         }
 
+    @staticmethod
+    def _reuse(result: TurnResult) -> dict:
+        """Extension field: the session (send it back as the session header) and how the
+        turn reused KV."""
+        return {
+            "session_id": result.session_id,
+            "decode_replica": result.decode_replica,
+            "reused_from_decode": result.reused_from_decode,
+            "miss_reason": result.miss_reason,
+            "spliced": result.spliced,
+        }
+
     async def _collect(self, kind: str, body, turn: TurnInput) -> dict:
         texts: list[str] = []
         token_ids: list[int] = []
@@ -276,7 +288,7 @@ class Ingress:
             "model": self._cfg.model_name,
             "choices": [choice],
             "usage": self._usage(result),
-            "session_id": result.session_id,
+            "kvturn": self._reuse(result),
         }
         if body.return_token_ids:
             choice["token_ids"] = token_ids
@@ -305,9 +317,9 @@ class Ingress:
             last = {"index": 0, "finish_reason": event.finish_reason}
             last.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
             extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}
-            yield envelope([last], session_id=event.session_id, **extra)
+            yield envelope([last], kvturn=self._reuse(event), **extra)
             if body.include_usage:
-                yield envelope([], usage=self._usage(event), session_id=event.session_id)
+                yield envelope([], usage=self._usage(event))
 
     async def _sse(self, kind: str, body, turn: TurnInput) -> AsyncIterator[str]:
         try:

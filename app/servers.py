@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from app.config import AppConfig, EngineRoleConfig
-from app.engine import Engine, EngineChunk, EngineInfo, EngineRequest, VLLMEngine
+from app.engine import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery, VLLMEngine
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,8 +44,10 @@ class EngineServer:
             side_channel=getattr(self._engine, "side_channel", None),
         )
 
-    def stats(self) -> dict:
-        """Cumulative prompt-token counts: computed, local prefix hits, pulled over NIXL."""
+    def stats(self, query: ReplicaQuery | None = None) -> dict:
+        """Cumulative prompt-token counts: computed, local prefix hits, pulled over NIXL.
+
+        Pass a `ReplicaQuery` to reach a given replica (the router honours it)."""
         c = self._engine.counts()
         return {
             "replica_id": self.replica_id,
@@ -55,6 +57,7 @@ class EngineServer:
             "prompt_tokens_local_hit": c.local_cache_hit,
             "prompt_tokens_external": c.external_kv_transfer,
             "requests": c.requests,
+            "kv_cache_usage": c.kv_cache_usage,
         }
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -48,7 +48,7 @@ class EngineClients(Protocol):
 
 
 class Store(Protocol):
-    async def match(self, prompt_ids: Sequence[int]) -> tuple[str | None, int]: ...
+    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]: ...
 
     async def begin_turn(self, session_id: str) -> Claim: ...
 
@@ -87,6 +87,7 @@ class TurnResult:
     """Positions of the history offered to prefill from the decode engine (after capping)."""
     miss_reason: str | None
     spliced: bool
+    decode_replica: str | None
 
 
 TurnEvent = Delta | TurnResult
@@ -125,7 +126,7 @@ class Turns:
             generated: list[int] = []
             texts: list[str] = []
             final, replica = None, None
-            async for chunk, replica in self._clients.decode(request):
+            async for chunk, replica in self._decode(request):
                 generated.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if chunk.token_ids or chunk.text:
@@ -150,6 +151,7 @@ class Turns:
                 reused_from_decode=pulled,
                 miss_reason=miss,
                 spliced=spliced,
+                decode_replica=replica,
             )
         except BaseException:
             if outcome is TurnOutcome.PULLED or (claim and claim.handle):
@@ -169,7 +171,7 @@ class Turns:
         if session_id is None and self._cfg.sessions.match_sessionless:
             if prompt_ids is None:
                 prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
-            session_id, _ = await self._store.match(prompt_ids)
+            session_id, _ = await self._store.match(prompt_ids, turn.prompt_text)
             self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
         session_id = session_id or _new_session()
         claim = await self._store.begin_turn(session_id)
@@ -247,6 +249,27 @@ class Turns:
         except WireError:
             self.counts["prefill_no_handle"] += 1
             return None, cached
+
+    async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
+        """Stream from decode. If the session's preferred replica fails before its first
+        output (it died since the last turn), retry once on any replica."""
+        started = False
+        try:
+            async for item in self._clients.decode(request):
+                started = True
+                yield item
+        except Exception:
+            if started or request.preferred_replica is None:
+                raise
+            self.counts["decode_retried"] += 1
+            retry = EngineRequest(
+                request_id=request.request_id + "-retry",
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                kv_params=request.kv_params,
+            )
+            async for item in self._clients.decode(retry):
+                yield item
 
     def _conversation(self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica) -> Conversation:
         handle = None

@@ -25,8 +25,8 @@ class HandleStoreActor:
     def __init__(self, **store_kwargs):
         self._store = HandleStore(**store_kwargs)
 
-    def match(self, prompt_ids: Sequence[int]) -> tuple[str | None, int]:
-        return self._store.match(prompt_ids)
+    def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
+        return self._store.match(prompt_ids, prompt_text)
 
     def begin_turn(self, session_id: str) -> Claim:
         return self._store.begin_turn(session_id)
@@ -68,8 +68,8 @@ class StoreClient:
     def _shard(self, session_id: str):
         return self._actors[shard_of(session_id, len(self._actors))]
 
-    async def match(self, prompt_ids: Sequence[int]) -> tuple[str | None, int]:
-        results = await asyncio.gather(*(a.match.remote(list(prompt_ids)) for a in self._actors))
+    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
+        results = await asyncio.gather(*(a.match.remote(list(prompt_ids), prompt_text) for a in self._actors))
         return max(results, key=lambda r: (r[0] is not None, r[1]))
 
     async def begin_turn(self, session_id: str) -> Claim:

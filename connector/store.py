@@ -150,9 +150,15 @@ class HandleStore:
 
     # -- turns ---------------------------------------------------------------------
 
-    def match(self, prompt_ids: Sequence[int]) -> tuple[str | None, int]:
+    def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         """The stored session this sessionless prompt continues, and how many of its
-        tokens agree. A match requires the stored turn's whole prompt to be a prefix."""
+        tokens agree.
+
+        A stored turn matches when its whole prompt is a prefix of `prompt_ids`, or when
+        the text it stands for (prompt + answer) is a prefix of `prompt_text`: the latter
+        still matches after token-in/token-out made the stored ids differ from a plain
+        tokenization. Candidates come from a block-hash index of stored prompts.
+        """
         self._sweep()
         hashes = chain_hashes(prompt_ids, self._block)
         for depth in range(len(hashes) - 1, -1, -1):
@@ -164,9 +170,10 @@ class HandleStore:
                 record = self._records[session_id]
                 conv = record.conversation
                 common = common_prefix_len(conv.token_ids, prompt_ids)
-                if common < conv.prompt_len:
+                by_text = prompt_text is not None and conv.text is not None and prompt_text.startswith(conv.text)
+                if common < conv.prompt_len and not by_text:
                     continue
-                key = (common, record.stored_at, session_id)
+                key = (len(conv.token_ids) if by_text else common, record.stored_at, session_id)
                 best = key if best is None or key > best else best
             if best is not None:
                 return best[2], best[0]
@@ -270,14 +277,7 @@ class HandleStore:
     def pinned_blocks(self, engine_id: str) -> int:
         """Blocks we believe `engine_id` keeps pinned for us: stored, claimed, abandoned."""
         self._sweep()
-        stored = sum(
-            r.conversation.handle.num_blocks
-            for r in self._records.values()
-            if r.conversation.handle is not None
-            and r.conversation.handle.engine_id == engine_id
-            and r.state in (HandleState.STORED, HandleState.CLAIMED)
-        )
-        return stored + sum(n for e, n, _ in self._abandoned if e == engine_id)
+        return self._waiting_blocks(engine_id) + sum(n for e, n, _ in self._abandoned if e == engine_id)
 
     def stats(self) -> dict:
         self._sweep()
@@ -300,6 +300,16 @@ class HandleStore:
 
     # -- internals -----------------------------------------------------------------
 
+    def _waiting_blocks(self, engine_id: str) -> int:
+        """Blocks of handles still stored or claimed on `engine_id` (not yet abandoned)."""
+        return sum(
+            r.conversation.handle.num_blocks
+            for r in self._records.values()
+            if r.conversation.handle is not None
+            and r.conversation.handle.engine_id == engine_id
+            and r.state in (HandleState.STORED, HandleState.CLAIMED)
+        )
+
     def _stored_at(self, session_id: str) -> float:
         record = self._records.get(session_id)
         return record.stored_at if record else self._clock()
@@ -321,8 +331,11 @@ class HandleStore:
                     del self._index[h]
 
     def _enforce_block_bound(self, engine_id: str) -> None:
+        # Evicting moves a handle's blocks to `_abandoned` (still pinned until the decoder's
+        # TTL), so the bound is on the blocks of waiting handles, which eviction does lower.
+        self._sweep()
         for session_id in list(self._records):
-            if self.pinned_blocks(engine_id) <= self._max_blocks:
+            if self._waiting_blocks(engine_id) <= self._max_blocks:
                 return
             record = self._records[session_id]
             handle = record.conversation.handle
@@ -341,6 +354,14 @@ class HandleStore:
             self.counts["lease_expired"] += 1
             if lease.handle is not None:
                 self._abandon(lease.handle, now)
+                record = self._records.get(lease.session_id)
+                if (
+                    record is not None
+                    and record.conversation.handle is lease.handle
+                    and record.state is HandleState.CLAIMED
+                ):
+                    # Counted as abandoned now; no longer as claimed.
+                    record.state = HandleState.EXPIRED
 
 
 def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int]) -> tuple[KVHandle, int]:

@@ -36,8 +36,9 @@ def pd_config(**overrides):
         "default_max_tokens": 16,
         "prefill": {"num_cpus": 0.5, "enable_prefix_caching": False, "kv_cache_memory_bytes": 128 << 20},
         "decode": {"num_cpus": 0.5, "num_replicas": 2, "kv_cache_memory_bytes": 128 << 20},
-        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu"},
-        "sessions": {"handle_ttl_s": 300},
+        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40},
+        # Short lifetimes so the expiry and clean-up tests need not wait long.
+        "sessions": {"handle_ttl_s": 25},
         "app_name": "pd",
     }
     for key, value in overrides.items():
@@ -67,6 +68,7 @@ def ray_cluster():
 def apps(ray_cluster):
     """Deploy `pd` and `ref` once for the whole run (engines start in parallel)."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from app.builder import build
     from app.config import Mode
@@ -75,18 +77,13 @@ def apps(ray_cluster):
     started = time.monotonic()
     pd = pd_config()
     ref = pd_config(mode=Mode.SINGLE.value, app_name="ref", **{"decode.num_replicas": 1})
-    serve._run(build(pd), name="pd", route_prefix="/", _blocking=False)
-    serve._run(build(ref), name="ref", route_prefix="/ref", _blocking=False)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        status = serve.status().applications
-        states = {name: status[name].status for name in ("pd", "ref") if name in status}
-        if states == {"pd": "RUNNING", "ref": "RUNNING"}:
-            break
-        if any(s in ("DEPLOY_FAILED", "UNHEALTHY") for s in states.values()):
-            raise RuntimeError(f"deployment failed: {status}")
-        time.sleep(2)
-    else:
-        raise RuntimeError(f"apps did not start: {serve.status()}")
+    # Both apps deploy at once (engines start in parallel); returns when both run.
+    serve.run_many(
+        [
+            RunTarget(target=build(pd), name="pd", route_prefix="/"),
+            RunTarget(target=build(ref), name="ref", route_prefix="/ref"),
+        ],
+        wait_for_applications_running=True,
+    )
     print(f"\napps running after {time.monotonic() - started:.0f} s")
     yield {"pd": pd, "ref": ref, "url": f"http://127.0.0.1:{PD_PORT}"}
