@@ -113,9 +113,12 @@ class Turns:
             history, miss = await self._verified_history(claim, prompt_ids)
             decode_params, cached, pulled = None, 0, 0
             if self._cfg.disaggregated:
-                decode_params, cached = await self._prefill(turn, prompt_ids, history)
+                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history)
                 if history is not None:
-                    outcome, pulled = TurnOutcome.PULLED, history.num_tokens
+                    # A short pull (prefill recomputed instead) may leave decode's blocks
+                    # pinned until their TTL: settle it as failed, not pulled.
+                    outcome = TurnOutcome.PULLED if pull_ok else TurnOutcome.FAILED
+                    pulled = history.num_tokens if pull_ok else 0
             request = EngineRequest(
                 request_id=turn.request_id,
                 prompt_token_ids=prompt_ids,
@@ -230,9 +233,9 @@ class Turns:
         self.counts["handle_used"] += 1
         return handle, None
 
-    async def _prefill(self, turn: TurnInput, prompt_ids, history: KVHandle | None) -> tuple[dict | None, int]:
-        """Run the prefill leg. Returns params for decode (None: decode computes all) and
-        the prompt tokens prefill did not compute."""
+    async def _prefill(self, turn: TurnInput, prompt_ids, history: KVHandle | None) -> tuple[dict | None, int, bool]:
+        """Run the prefill leg. Returns params for decode (None: decode computes all),
+        the prompt tokens prefill did not compute, and whether the offered history was read."""
         request = EngineRequest(
             request_id=turn.request_id + "-prefill",
             prompt_token_ids=prompt_ids,
@@ -241,14 +244,15 @@ class Turns:
         )
         final, _ = await self._clients.prefill(request)
         cached = final.num_cached_tokens
-        if history is not None and cached + self._cfg.block_size <= history.num_tokens:
-            # Prefill's recompute policy took over: the pull failed or was skipped.
+        pull_ok = history is None or cached + self._cfg.block_size > history.num_tokens
+        if not pull_ok:
+            # Prefill's recompute policy took over: the pull failed.
             self.counts["pull_short"] += 1
         try:
-            return KVHandle.from_wire(final.kv_params).to_wire(), cached
+            return KVHandle.from_wire(final.kv_params).to_wire(), cached, pull_ok
         except WireError:
             self.counts["prefill_no_handle"] += 1
-            return None, cached
+            return None, cached, pull_ok
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
         """Stream from decode. If the session's preferred replica fails before its first

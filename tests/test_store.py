@@ -1,0 +1,499 @@
+"""`connector.store.HandleStore` driven directly, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.handle import KVHandle, Location
+from connector.store import (
+    Conversation,
+    HandleState,
+    HandleStore,
+    TurnOutcome,
+    chain_hashes,
+    common_prefix_len,
+    restrict,
+)
+
+TTL = 100.0
+DECODER_TTL = 150.0
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make_store(clock, **kwargs) -> HandleStore:
+    params = dict(
+        handle_ttl_s=TTL,
+        decoder_ttl_s=DECODER_TTL,
+        max_sessions=100,
+        max_blocks_per_engine=1000,
+        index_block_size=BLOCK,
+        lease_timeout_s=50.0,
+        clock=clock,
+    )
+    params.update(kwargs)
+    return HandleStore(**params)
+
+
+@pytest.fixture
+def store(clock):
+    return make_store(clock)
+
+
+_handle_ids = iter(range(1, 1_000_000))
+
+
+def handle(engine="d-0", blocks=3, num_tokens=None) -> KVHandle:
+    n = next(_handle_ids)
+    return KVHandle(
+        location=Location.DECODE,
+        engine_id=engine,
+        request_id=f"req-{n}",
+        block_ids=(tuple(range(n * 10, n * 10 + blocks)),),
+        host="10.0.0.2",
+        port=5601,
+        num_tokens=blocks * BLOCK - 1 if num_tokens is None else num_tokens,
+    )
+
+
+def conv(session, prompt, answer=(), *, engine="d-0", blocks=3, with_handle=True) -> Conversation:
+    ids = tuple(prompt) + tuple(answer)
+    return Conversation(
+        session_id=session,
+        token_ids=ids,
+        prompt_len=len(prompt),
+        text=None,
+        handle=handle(engine, blocks, num_tokens=len(ids) - 1) if with_handle else None,
+        decode_replica="decode#0",
+    )
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def test_begin_turn_without_conversation(store):
+    claim = store.begin_turn("s")
+    assert claim.handle is None and claim.conversation is None
+    assert claim.miss_reason == "no_conversation"
+    assert store.counts["miss_no_conversation"] == 1
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, None)
+    assert store.stats()["open_leases"] == 0
+    assert store.stats()["sessions"] == 0
+
+
+def test_claim_is_single_use(store):
+    c = conv("s", range(10), range(100, 105))
+    store.put(c)
+    first = store.begin_turn("s")
+    assert first.handle is c.handle
+    assert first.conversation == c
+    assert first.miss_reason is None
+    assert store.stats()["handles"] == {"claimed": 1}
+    assert store.stats()["claimed_handles"] == 1
+
+    second = store.begin_turn("s")
+    assert second.handle is None
+    assert second.miss_reason == "claimed"
+    assert second.conversation == c  # the text/ids are still there for splicing
+    assert second.lease_id != first.lease_id
+    assert store.counts["claimed"] == 1
+    assert store.counts["miss_claimed"] == 1
+    assert store.stats()["open_leases"] == 2
+    assert store.stats()["claimed_handles"] == 1
+
+
+@pytest.mark.parametrize("outcome", list(TurnOutcome))
+def test_end_turn_outcome_is_recorded(store, outcome):
+    store.put(conv("s", range(10), range(100, 105)))
+    claim = store.begin_turn("s")
+    store.end_turn(claim.lease_id, outcome, None)
+    assert store.counts[outcome.value] == 1
+    assert store.stats()["handles"] == {outcome.value: 1}
+    assert store.stats()["claimed_handles"] == 0
+    # Settled handles are never handed out again.
+    again = store.begin_turn("s")
+    assert again.handle is None and again.miss_reason == outcome.value
+
+
+def test_end_turn_stores_next_conversation(store):
+    first = conv("s", range(10), range(100, 105))
+    store.put(first)
+    claim = store.begin_turn("s")
+    nxt = conv("s", first.token_ids + (7, 8), range(200, 203))
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, nxt)
+    assert store.counts["pulled"] == 1
+    assert store.counts["stored"] == 2
+    claim2 = store.begin_turn("s")
+    assert claim2.handle is nxt.handle
+    assert claim2.conversation.token_ids == nxt.token_ids
+
+
+def test_end_turn_twice_is_late(store):
+    store.put(conv("s", range(10)))
+    claim = store.begin_turn("s")
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, None)
+    store.end_turn(claim.lease_id, TurnOutcome.FAILED, None)
+    assert store.counts["late_end_turn"] == 1
+    assert store.counts["pulled"] == 1
+    assert store.counts["failed"] == 0
+
+
+def test_new_conversation_supersedes_stored_handle(store, clock):
+    old = conv("s", range(10), blocks=2)
+    store.put(old)
+    new = conv("s", range(20), blocks=5)
+    store.put(new)
+    assert store.counts["superseded"] == 1
+    assert store.stats()["handles"] == {"stored": 1}
+    # The superseded blocks stay pinned on the engine until its own TTL.
+    assert store.pinned_blocks("d-0") == 5 + 2
+    clock.advance(TTL - 1)
+    assert store.pinned_blocks("d-0") == 5 + 2
+    claim = store.begin_turn("s")
+    assert claim.handle is new.handle
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, None)
+    assert store.pinned_blocks("d-0") == 2
+    clock.advance(DECODER_TTL - TTL + 1)
+    assert store.pinned_blocks("d-0") == 0
+
+
+def test_put_over_claimed_does_not_count_superseded(store):
+    store.put(conv("s", range(10)))
+    claim = store.begin_turn("s")
+    store.put(conv("s", range(12)))
+    assert store.counts["superseded"] == 0
+    # The lease still settles its handle.
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, None)
+    assert store.counts["unused"] == 1
+
+
+def test_conversation_without_handle(store):
+    store.put(conv("s", range(10), with_handle=False))
+    claim = store.begin_turn("s")
+    assert claim.handle is None and claim.miss_reason == "no_handle"
+    assert claim.conversation.token_ids == tuple(range(10))
+    assert store.counts["stored"] == 0
+
+
+# -- expiry and bounds -------------------------------------------------------------------
+
+
+def test_handle_expires_after_ttl(store, clock):
+    store.put(conv("a", range(10)))
+    store.put(conv("b", range(10)))
+    clock.advance(TTL - 0.5)
+    assert store.begin_turn("a").handle is not None
+    clock.advance(0.5)
+    claim = store.begin_turn("b")
+    assert claim.handle is None
+    assert claim.miss_reason == "expired"
+    assert store.counts["expired"] == 1
+    assert store.counts["miss_expired"] == 1
+    # The claimed one was not expired under its lease.
+    assert store.stats()["handles"] == {"claimed": 1, "expired": 1}
+
+
+def test_expired_blocks_counted_until_decoder_ttl(store, clock):
+    store.put(conv("s", range(10), blocks=4))
+    clock.advance(TTL)
+    assert store.stats()["handles"] == {"expired": 1}
+    assert store.pinned_blocks("d-0") == 4
+    clock.advance(DECODER_TTL - TTL - 0.1)
+    assert store.pinned_blocks("d-0") == 4
+    clock.advance(0.1)
+    assert store.pinned_blocks("d-0") == 0
+
+
+def test_max_sessions_evicts_least_recently_used(clock):
+    store = make_store(clock, max_sessions=2)
+    store.put(conv("a", range(10), blocks=1))
+    clock.advance(1)
+    store.put(conv("b", range(10), blocks=1))
+    clock.advance(1)
+    store.begin_turn("a")  # touches a: b is now least recently used
+    clock.advance(1)
+    store.put(conv("c", range(10), blocks=1))
+    assert store.stats()["sessions"] == 2
+    assert store.counts["sessions_evicted"] == 1
+    assert store.counts["evicted"] == 1
+    assert store.begin_turn("b").miss_reason == "no_conversation"
+    assert store.begin_turn("c").handle is not None
+    # b's blocks were left unread: still pinned until the decoder frees them.
+    assert store.pinned_blocks("d-0") == 3
+
+
+def test_block_bound_evicts_oldest_handles_on_that_engine(clock):
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv("a", range(10), blocks=4))
+    clock.advance(1)
+    store.put(conv("other", range(10), blocks=8, engine="d-1"))
+    clock.advance(1)
+    store.put(conv("b", range(10), blocks=4))
+    clock.advance(1)
+    store.put(conv("c", range(10), blocks=4))  # 12 > 10 on d-0: the oldest goes
+    assert store.counts["evicted_for_blocks"] == 1
+    assert store.begin_turn("a").miss_reason == "evicted"
+    assert store.begin_turn("b").handle is not None
+    assert store.begin_turn("c").handle is not None
+    # Another engine's handles are untouched by d-0's bound.
+    assert store.begin_turn("other").handle is not None
+    # a's blocks are still pinned (unread) until the decoder's TTL.
+    assert store.pinned_blocks("d-0") == 4 + 4 + 4
+
+
+def test_block_bound_ignores_blocks_it_cannot_free(clock):
+    """Unread blocks of handles that already left stay pinned whatever the store does:
+    they must not make it evict the handles still waiting."""
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv("a", range(10), blocks=8))
+    store.put(conv("a", range(12), blocks=8))  # supersedes: 8 abandoned + 8 waiting
+    assert store.counts["evicted_for_blocks"] == 0
+    store.put(conv("b", range(10), blocks=2))  # 10 waiting
+    assert store.counts["evicted_for_blocks"] == 0
+    assert store.begin_turn("a").handle is not None
+    assert store.begin_turn("b").handle is not None
+    assert store.pinned_blocks("d-0") == 18
+
+
+def test_block_bound_evicts_a_handle_larger_than_the_bound(clock):
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv("a", range(10), blocks=2))
+    store.put(conv("huge", range(10), blocks=11))
+    assert store.counts["evicted_for_blocks"] == 2
+    assert store.begin_turn("huge").miss_reason == "evicted"
+    assert store.begin_turn("a").miss_reason == "evicted"
+
+
+def test_pinned_blocks_for_abandoned_handles(store, clock):
+    store.put(conv("s", range(10), blocks=6))
+    assert store.pinned_blocks("d-0") == 6
+    claim = store.begin_turn("s")
+    assert store.pinned_blocks("d-0") == 6  # claimed: still pinned
+    clock.advance(10)
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, None)
+    # Not read: pinned until the decoder's TTL, counted from when it was stored.
+    assert store.pinned_blocks("d-0") == 6
+    assert store.stats()["pinned_blocks"] == {"d-0": 6}
+    clock.advance(DECODER_TTL - 10 - 0.1)
+    assert store.pinned_blocks("d-0") == 6
+    clock.advance(0.1)
+    assert store.pinned_blocks("d-0") == 0
+
+
+def test_pulled_handle_is_not_pinned(store):
+    store.put(conv("s", range(10), blocks=6))
+    claim = store.begin_turn("s")
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, None)
+    assert store.pinned_blocks("d-0") == 0
+
+
+def test_lease_timeout_releases_claim(store, clock):
+    store.put(conv("s", range(10), blocks=5))
+    claim = store.begin_turn("s")
+    assert store.stats()["claimed_handles"] == 1
+    clock.advance(50.0)
+    stats = store.stats()
+    assert stats["open_leases"] == 0
+    assert stats["claimed_handles"] == 0
+    assert store.counts["lease_expired"] == 1
+    # The blocks were never reported read: counted once, until the decoder's TTL.
+    assert store.pinned_blocks("d-0") == 5
+    late = store.begin_turn("s")
+    assert late.handle is None and late.miss_reason == "expired"
+    assert store.stats()["handles"] == {"expired": 1}
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, None)
+    assert store.counts["late_end_turn"] == 1
+    assert store.counts["pulled"] == 0
+    clock.advance(DECODER_TTL)
+    assert store.pinned_blocks("d-0") == 0
+
+
+def test_drop_engine(store):
+    store.put(conv("a", range(10), blocks=2, engine="d-0"))
+    store.put(conv("b", range(10), blocks=2, engine="d-0"))
+    store.put(conv("c", range(10), blocks=2, engine="d-1"))
+    store.put(conv("a", range(12), blocks=3, engine="d-0"))  # supersedes: abandoned on d-0
+    assert store.pinned_blocks("d-0") == 2 + 2 + 3
+    assert store.drop_engine("d-0") == 2
+    assert store.counts["dropped"] == 2
+    assert store.pinned_blocks("d-0") == 0
+    assert store.pinned_blocks("d-1") == 2
+    assert store.begin_turn("a").miss_reason == "dropped"
+    assert store.begin_turn("b").miss_reason == "dropped"
+    assert store.begin_turn("c").handle is not None
+    assert store.drop_engine("d-0") == 0
+
+
+# -- sessionless matching --------------------------------------------------------------------
+
+SYSTEM = tuple(range(500, 508))  # two blocks
+
+
+def test_match_requires_stored_prompt_as_prefix(store):
+    prompt = SYSTEM + (1, 2, 3, 4)
+    answer = (90, 91, 92)
+    store.put(conv("s", prompt, answer))
+    follow_up = prompt + answer + (5, 6, 7, 8)
+    assert store.match(follow_up) == ("s", len(prompt) + len(answer))
+    # Re-tokenized answer: still this session, agreeing up to the prompt.
+    assert store.match(prompt + (60, 61, 62, 63)) == ("s", len(prompt))
+    # The same prompt again (retry): agrees on the whole prompt.
+    assert store.match(prompt) == ("s", len(prompt))
+
+
+def test_match_rejects_diverging_prompt(store):
+    prompt = SYSTEM + (1, 2, 3, 4)
+    store.put(conv("s", prompt, (90, 91)))
+    # Shares the system prompt's blocks, but the stored prompt is not a prefix.
+    assert store.match(SYSTEM + (1, 2, 3, 9, 10, 11, 12, 13)) == (None, 0)
+    # Unrelated.
+    assert store.match(tuple(range(900, 920))) == (None, 0)
+    # Shorter than the stored prompt.
+    assert store.match(SYSTEM) == (None, 0)
+
+
+def test_match_picks_deepest_session_sharing_system_prompt(store, clock):
+    a_prompt = SYSTEM + (1, 1, 1, 1)
+    b_prompt = SYSTEM + (2, 2, 2, 2)
+    store.put(conv("a", a_prompt, (70, 71, 72, 73)))
+    clock.advance(1)
+    store.put(conv("b", b_prompt, (80, 81, 82, 83)))
+    clock.advance(1)
+    # b's next turn: longer prompt.
+    b2_prompt = b_prompt + (80, 81, 82, 83) + (3, 3, 3, 3)
+    store.put(conv("b2", b2_prompt, (84, 85)))
+    clock.advance(1)
+    store.put(conv("sys-only", SYSTEM, (99,)))
+
+    assert store.match(a_prompt + (70, 71, 72, 73, 5, 5)) == ("a", len(a_prompt) + 4)
+    assert store.match(b_prompt + (80, 81, 82, 83, 6, 6, 6, 6)) == ("b", len(b_prompt) + 4)
+    assert store.match(b2_prompt + (84, 85, 9)) == ("b2", len(b2_prompt) + 2)
+    # Only the system prompt in common with a/b: the session whose whole prompt is it.
+    assert store.match(SYSTEM + (7, 7, 7, 7, 7)) == ("sys-only", len(SYSTEM))
+
+
+def test_match_longest_agreement_at_same_depth(store, clock):
+    prompt = SYSTEM + (1, 2, 3, 4)
+    store.put(conv("short", prompt, (90,)))
+    clock.advance(1)
+    store.put(conv("long", prompt, (90, 91, 92)))
+    clock.advance(1)
+    store.put(conv("other", prompt, (50, 51, 52, 53)))
+    assert store.match(prompt + (90, 91, 92, 93)) == ("long", len(prompt) + 3)
+    assert store.match(prompt + (90, 40)) == ("long", len(prompt) + 1)  # tie: newest of short/long
+    assert store.match(prompt + (50, 51)) == ("other", len(prompt) + 2)
+
+
+def test_match_forgets_superseded_prompt(store):
+    store.put(conv("s", SYSTEM + (1, 2, 3, 4), (90,)))
+    store.put(conv("s", tuple(range(300, 312)), (91,)))
+    assert store.match(SYSTEM + (1, 2, 3, 4, 90)) == (None, 0)
+    assert store.match(tuple(range(300, 313))) == ("s", 12)
+
+
+def test_match_by_text_after_splice(store):
+    """A stored prompt spliced from generated ids differs from a plain tokenization of
+    its text; the text still identifies the session."""
+    spliced_prompt = SYSTEM + (1001, 1002) + (3, 4)  # 1001, 1002: ids the engine generated
+    stored = Conversation(
+        session_id="s",
+        token_ids=spliced_prompt + (1005,),
+        prompt_len=len(spliced_prompt),
+        text="sys|ab|cd|e",
+        handle=handle(),
+    )
+    store.put(stored)
+    plain = SYSTEM + (97, 98) + (3, 4) + (101, 9, 9)  # re-tokenized "ab", "e"
+    assert store.match(plain) == (None, 0)
+    assert store.match(plain, "sys|ab|cd|e|next") == ("s", len(stored.token_ids))
+    assert store.match(plain, "sys|ab|XX|e|next") == (None, 0)
+
+
+def test_match_needs_a_full_block(store):
+    store.put(conv("s", (1, 2, 3), (4,)))  # shorter than one index block: not indexed
+    assert store.match((1, 2, 3, 4, 5, 6, 7, 8)) == (None, 0)
+
+
+def test_chain_hashes_and_common_prefix():
+    a = chain_hashes(list(range(10)), 4)
+    assert len(a) == 2
+    b = chain_hashes([0, 1, 2, 3, 9, 5, 6, 7], 4)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert common_prefix_len((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix_len((1, 2), (1, 2, 3)) == 2
+    assert common_prefix_len((), (1,)) == 0
+
+
+# -- restrict ---------------------------------------------------------------------------------
+
+
+def test_restrict_caps_to_common_prefix():
+    held = tuple(range(20))
+    h = handle(num_tokens=19)  # the last generated token has no KV yet
+    prompt = tuple(range(12)) + (99, 98, 97)
+    capped, drift = restrict(h, prompt, held)
+    assert capped.num_tokens == 12
+    # Drift counts positions the prompt could have used (up to its last token, 14) that
+    # disagree with the held ones: 12 and 13.
+    assert drift == 2
+    assert capped.block_ids == h.block_ids
+
+
+def test_restrict_never_includes_prompt_last_token():
+    held = tuple(range(20))
+    h = handle(num_tokens=19)
+    capped, drift = restrict(h, held[:10], held)
+    assert capped.num_tokens == 9
+    assert drift == 0  # the prompt simply ends earlier: nothing drifted
+    capped, drift = restrict(h, held, held)
+    assert capped.num_tokens == 19
+    assert drift == 0
+
+
+def test_restrict_full_continuation():
+    held = tuple(range(20))
+    h = handle(num_tokens=19)
+    capped, drift = restrict(h, held + (1, 2, 3), held)
+    assert capped.num_tokens == 19
+    assert drift == 0
+
+
+def test_restrict_ignores_held_ids_beyond_handle():
+    held = tuple(range(20))
+    h = handle(num_tokens=10)
+    capped, drift = restrict(h, held + (1,), held)
+    assert capped.num_tokens == 10
+    assert drift == 0
+
+
+def test_restrict_total_mismatch():
+    h = handle(num_tokens=19)
+    capped, drift = restrict(h, (7, 7, 7, 7, 7), tuple(range(20)))
+    assert capped.num_tokens == 0
+    assert drift == 4
+
+
+def test_store_rejects_ttl_not_below_decoder_ttl(clock):
+    with pytest.raises(ValueError):
+        make_store(clock, handle_ttl_s=DECODER_TTL)
+
+
+def test_states_cover_every_exit():
+    assert {s.value for s in HandleState} == {
+        "stored", "claimed", "pulled", "unused", "failed", "expired", "evicted", "superseded", "dropped",
+    }

@@ -1,0 +1,708 @@
+"""`app.turns.Turns`: the real turn orchestration, with fake engines and the real handle
+store logic behind an in-process adapter. No Ray, no vLLM.
+
+The fake engines follow the NixlConnector's contract:
+
+* prefill, asked with decode-side params (history held by a decode engine), reports the
+  offered positions as cached and returns prefill-side params (`do_remote_prefill`);
+* decode streams deterministic tokens and, on the last chunk, returns decode-side params
+  for its own blocks (prompt + answer, without the last generated token).
+
+Generated ids are >= 1000 while the tokenizer maps each character to `ord(c)`: re-tokenizing
+an answer's text gives other ids than the engine generated, as BPE tokenizers can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import string
+from collections import Counter
+from typing import AsyncIterator, Sequence
+
+import pytest
+
+from app.config import AppConfig
+from app.engine import EngineChunk, EngineRequest, Sampling
+from app.protocol import APIError
+from app.turns import Delta, TurnInput, TurnResult, Turns
+from connector.handle import first_leg_params
+from connector.store import Claim, Conversation, HandleStore, TurnOutcome
+
+BLOCK = 4
+THRESHOLD = 8
+EOS = 1999
+EOS_PIECE = "<eos>"
+SYSTEM = "SYSTEM: be brief.\n"
+P1 = SYSTEM + "USER: hello there\nASSISTANT:"
+USER2 = "\nUSER: tell me more\nASSISTANT:"
+USER3 = "\nUSER: thanks\nASSISTANT:"
+MAX_TOKENS = 6
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def piece(self, token_id: int) -> str:
+        return EOS_PIECE if token_id == EOS else chr(token_id - 1000)
+
+
+def letter_at(position: int) -> str:
+    return string.ascii_lowercase[position % 26]
+
+
+class FakeEngines:
+    """One prefill replica and some decode replicas, following the engines' contract."""
+
+    def __init__(self, decode_replicas=("decode-0", "decode-1"), *, keeps_kv=True, eos=False, stop_string=False):
+        self.decode_replicas = list(decode_replicas)
+        self.dead: set[str] = set()
+        self.broken: set[str] = set()  # raise before any output
+        self.fail_mid_stream = False
+        self.keeps_kv = keeps_kv
+        self.eos = eos
+        self.stop_string = stop_string
+        self.prefill_requests: list[EngineRequest] = []
+        self.decode_requests: list[tuple[EngineRequest, str]] = []
+        self.seen: dict[str, list[tuple[int, ...]]] = {}  # replica -> sequences it computed
+        self.pulls: list[tuple[str, int]] = []
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        self.prefill_requests.append(request)
+        prompt = request.prompt_token_ids
+        kv = request.kv_params or {}
+        cached = 0
+        if kv.get("do_remote_decode") and kv.get("remote_engine_id") is not None:
+            assert kv["do_remote_prefill"] is False
+            cached = min(int(kv["remote_num_tokens"]), len(prompt) - 1)
+            self.pulls.append((kv["remote_engine_id"], cached))
+        out_params = None
+        if kv.get("do_remote_decode"):
+            out_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [list(range(-(-len(prompt) // BLOCK)))],
+                "remote_engine_id": "p-0",
+                "remote_request_id": request.request_id,
+                "remote_host": "10.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "remote_num_tokens": len(prompt),
+            }
+        await asyncio.sleep(0)
+        return (
+            EngineChunk(
+                token_ids=(7,),
+                text="x",
+                finished=True,
+                finish_reason="length",
+                num_prompt_tokens=len(prompt),
+                num_cached_tokens=cached,
+                kv_params=out_params,
+            ),
+            "prefill-0",
+        )
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def answer(self, prompt_len: int, n: int) -> list[tuple[int, str]]:
+        """(id, text) of each generated token: a function of the prompt length."""
+        out = [(1000 + ord(letter_at(prompt_len + k)), letter_at(prompt_len + k)) for k in range(n)]
+        if self.eos and out:
+            out[-1] = (EOS, "")
+        return out
+
+    def _pick(self, request: EngineRequest) -> str:
+        alive = [r for r in self.decode_replicas if r not in self.dead]
+        if request.preferred_replica in alive:
+            return request.preferred_replica
+        # Without a preference the router picks a healthy replica when there is one.
+        healthy = [r for r in alive if r not in self.broken]
+        return (healthy or alive)[0]
+
+    def _local_cache_hit(self, replica: str, prompt: tuple[int, ...]) -> int:
+        best = 0
+        for seq in self.seen.get(replica, []):
+            n = 0
+            while n < min(len(seq), len(prompt) - 1) and seq[n] == prompt[n]:
+                n += 1
+            best = max(best, n // BLOCK * BLOCK)
+        return best
+
+    async def decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
+        replica = self._pick(request)
+        self.decode_requests.append((request, replica))
+        await asyncio.sleep(0)
+        if replica in self.broken:
+            raise RuntimeError(f"{replica} is gone")
+        prompt = request.prompt_token_ids
+        kv = request.kv_params
+        if kv is not None:
+            assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+            cached = len(prompt)  # read from prefill
+        else:
+            cached = self._local_cache_hit(replica, prompt)
+        tokens = self.answer(len(prompt), request.sampling.max_tokens)
+        chunks = [tokens[i : i + 2] for i in range(0, len(tokens), 2)]
+        generated: list[int] = []
+        for i, part in enumerate(chunks):
+            ids = tuple(t for t, _ in part)
+            text = "".join(s for _, s in part)
+            generated.extend(ids)
+            last = i == len(chunks) - 1
+            if self.fail_mid_stream and i == 1:
+                raise RuntimeError("decode engine died mid-stream")
+            final_params = None
+            if last and self.keeps_kv:
+                final_params = {
+                    "do_remote_prefill": False,
+                    "do_remote_decode": True,
+                    "remote_block_ids": [list(range(100, 100 + -(-(len(prompt) + len(generated)) // BLOCK)))],
+                    "remote_engine_id": f"d-{replica}",
+                    "remote_request_id": request.request_id,
+                    "remote_host": "10.0.0.2",
+                    "remote_port": 5601,
+                    "tp_size": 1,
+                    "dcp_size": 1,
+                    "pp_size": 1,
+                    "remote_num_tokens": len(prompt) + len(generated) - 1,
+                    "remote_blocks_expiry_time": 999.1,
+                    "transfer_mode": "pull",
+                }
+            finish = None
+            if last:
+                finish = "stop" if (self.eos or self.stop_string) else "length"
+            yield (
+                EngineChunk(
+                    token_ids=ids,
+                    text=text,
+                    finished=last,
+                    finish_reason=finish,
+                    stop_reason="###" if (last and self.stop_string) else None,
+                    num_prompt_tokens=len(prompt),
+                    num_cached_tokens=cached if last else 0,
+                    kv_params=final_params,
+                ),
+                replica,
+            )
+            await asyncio.sleep(0)
+        self.seen.setdefault(replica, []).append(prompt + tuple(generated))
+
+    def decode_alive(self, replica_id: str) -> bool | None:
+        if replica_id in self.dead:
+            return False
+        return True if replica_id in self.decode_replicas else None
+
+
+class LocalStore:
+    """The `Store` seam over an in-process `HandleStore` (the actor's logic, no Ray)."""
+
+    def __init__(self, inner: HandleStore):
+        self.inner = inner
+        self.ended: list[tuple[str, TurnOutcome, Conversation | None]] = []
+        self.dropped: list[str] = []
+
+    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
+        return self.inner.match(list(prompt_ids), prompt_text)
+
+    async def begin_turn(self, session_id: str) -> Claim:
+        return self.inner.begin_turn(session_id)
+
+    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+        self.ended.append((claim.session_id, outcome, conversation))
+        self.inner.end_turn(claim.lease_id, outcome, conversation)
+
+    async def drop_engine(self, engine_id: str) -> int:
+        self.dropped.append(engine_id)
+        return self.inner.drop_engine(engine_id)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+class NoStore:
+    """A store that must not be used."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"store.{name} used")
+
+
+# -- fixtures and helpers --------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    return str(path)
+
+
+def make_cfg(model_dir, **overrides) -> AppConfig:
+    tree = {
+        "model": model_dir,
+        "mode": "bidir",
+        "max_model_len": 256,
+        "default_max_tokens": 16,
+        "block_size": BLOCK,
+        "transfer": {"recompute_threshold_tokens": THRESHOLD},
+        "sessions": {"handle_ttl_s": 60},
+    }
+    for key, value in overrides.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return AppConfig.model_validate(tree)
+
+
+def make_store(cfg: AppConfig) -> LocalStore:
+    s = cfg.sessions
+    return LocalStore(
+        HandleStore(
+            handle_ttl_s=s.handle_ttl_s,
+            decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
+            max_sessions=s.max_sessions,
+            max_blocks_per_engine=s.max_pinned_blocks_per_engine,
+            index_block_size=cfg.block_size,
+        )
+    )
+
+
+class Rig:
+    def __init__(self, model_dir, engines: FakeEngines | None = None, **cfg_overrides):
+        self.cfg = make_cfg(model_dir, **cfg_overrides)
+        self.engines = engines or FakeEngines(keeps_kv=self.cfg.reuses_kv)
+        self.store = make_store(self.cfg)
+        self.turns = Turns(self.cfg, self.engines, self.store, FakeTokenizer())
+        self._n = 0
+
+    def input(self, *, text=None, ids=None, session="s1", max_tokens=MAX_TOKENS, given=True, **kw) -> TurnInput:
+        self._n += 1
+        return TurnInput(
+            request_id=f"req-{self._n}",
+            sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+            session_id=session,
+            prompt_text=text,
+            prompt_ids=None if ids is None else tuple(ids),
+            max_tokens_given=given,
+            **kw,
+        )
+
+    async def turn(self, **kw) -> tuple[str, list[int], TurnResult]:
+        return await collect(self.turns.run(self.input(**kw)))
+
+
+async def collect(events) -> tuple[str, list[int], TurnResult]:
+    text, ids, result = [], [], None
+    async for event in events:
+        if isinstance(event, Delta):
+            assert result is None, "delta after the result"
+            text.append(event.text)
+            ids.extend(event.token_ids)
+        else:
+            assert isinstance(event, TurnResult)
+            result = event
+    assert result is not None
+    return "".join(text), ids, result
+
+
+def enc(text: str) -> tuple[int, ...]:
+    return tuple(FakeTokenizer().encode(text))
+
+
+def expected_answer(engines: FakeEngines, prompt_len: int, n: int = MAX_TOKENS) -> tuple[str, list[int]]:
+    tokens = engines.answer(prompt_len, n)
+    return "".join(s for _, s in tokens), [t for t, _ in tokens]
+
+
+# -- bidir: the product -----------------------------------------------------------------------
+
+
+async def test_first_turn_misses_then_second_turn_reuses_decode_history(model_dir):
+    rig = Rig(model_dir)
+    text1, ids1, r1 = await rig.turn(text=P1)
+    p1 = enc(P1)
+    assert (text1, ids1) == expected_answer(rig.engines, len(p1))
+    assert r1.miss_reason == "no_conversation"
+    assert r1.cached_tokens == 0 and r1.reused_from_decode == 0
+    assert r1.prompt_token_ids == p1 and r1.prompt_tokens == len(p1)
+    assert r1.completion_tokens == MAX_TOKENS
+    assert r1.finish_reason == "length"
+    assert r1.decode_replica == "decode-0"
+    assert not r1.spliced
+    # Prefill's first leg: compute everything, keep it for decode.
+    assert rig.engines.prefill_requests[0].kv_params == first_leg_params()
+    assert rig.engines.prefill_requests[0].request_id == "req-1-prefill"
+    decode_req, _ = rig.engines.decode_requests[0]
+    assert decode_req.kv_params["do_remote_prefill"] is True
+    assert decode_req.kv_params["remote_engine_id"] == "p-0"
+    assert decode_req.kv_params["remote_request_id"] == "req-1-prefill"
+    assert decode_req.preferred_replica is None
+
+    text2 = P1 + text1 + USER2
+    _, ids2, r2 = await rig.turn(text=text2)
+    history = p1 + tuple(ids1)
+    assert r2.spliced
+    # Token-in/token-out: the generated ids, not the re-tokenized answer text.
+    assert r2.prompt_token_ids == history + enc(USER2)
+    assert r2.prompt_token_ids != enc(text2)
+    offered = len(history) - 1  # the last generated token has no KV on decode
+    pre = rig.engines.prefill_requests[1]
+    assert pre.kv_params["do_remote_decode"] is True and pre.kv_params["do_remote_prefill"] is False
+    assert pre.kv_params["remote_engine_id"] == "d-decode-0"
+    assert pre.kv_params["remote_request_id"] == "req-1"
+    assert pre.kv_params["remote_num_tokens"] == offered
+    assert rig.engines.pulls == [("d-decode-0", offered)]
+    assert r2.cached_tokens == offered
+    assert r2.reused_from_decode == offered
+    assert r2.miss_reason is None
+    decode_req, replica = rig.engines.decode_requests[1]
+    assert decode_req.preferred_replica == "decode-0" and replica == "decode-0"
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+
+    counts = rig.store.inner.counts
+    assert counts["claimed"] == 1 and counts["pulled"] == 1 and counts["stored"] == 2
+    assert [o for _, o, _ in rig.store.ended] == [TurnOutcome.UNUSED, TurnOutcome.PULLED]
+    assert rig.store.stats()["claimed_handles"] == 0
+    assert rig.store.stats()["handles"] == {"stored": 1}
+    assert rig.turns.counts["handle_used"] == 1
+    assert rig.turns.counts["cached_tokens"] == offered
+    assert rig.turns.counts["turns"] == 2
+
+    # Turn 3 continues from turn 2's handle.
+    text3, ids3, r3 = await rig.turn(text=text2 + "".join(chr(i - 1000) for i in ids2) + USER3)
+    assert r3.spliced and r3.miss_reason is None
+    assert r3.cached_tokens == len(r2.prompt_token_ids) + MAX_TOKENS - 1
+    assert rig.engines.prefill_requests[2].kv_params["remote_request_id"] == "req-2"
+
+
+async def test_stored_conversation_is_exact(model_dir):
+    rig = Rig(model_dir)
+    text1, ids1, _ = await rig.turn(text=P1)
+    conv = rig.store.ended[0][2]
+    assert conv.session_id == "s1"
+    assert conv.token_ids == enc(P1) + tuple(ids1)
+    assert conv.prompt_len == len(enc(P1))
+    assert conv.text == P1 + text1
+    assert conv.decode_replica == "decode-0"
+    assert conv.handle.engine_id == "d-decode-0"
+    assert conv.handle.num_tokens == len(conv.token_ids) - 1
+
+
+async def test_without_token_in_token_out_reuse_stops_at_the_answer(model_dir):
+    rig = Rig(model_dir, **{"sessions.token_in_token_out": False})
+    text1, _, _ = await rig.turn(text=P1)
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert not r2.spliced
+    assert r2.prompt_token_ids == enc(P1 + text1 + USER2)
+    # The re-tokenized answer has other ids: only the first prompt agrees.
+    assert r2.cached_tokens == len(enc(P1))
+    assert rig.engines.prefill_requests[1].kv_params["remote_num_tokens"] == len(enc(P1))
+    assert rig.turns.counts["drift_tokens"] == MAX_TOKENS - 1
+    assert rig.store.inner.counts["pulled"] == 1
+
+
+async def test_eos_piece_keeps_the_splice(model_dir):
+    engines = FakeEngines(eos=True)
+    rig = Rig(model_dir, engines)
+    text1, ids1, r1 = await rig.turn(text=P1)
+    assert r1.finish_reason == "stop" and ids1[-1] == EOS
+    assert rig.store.ended[0][2].text == P1 + text1 + EOS_PIECE
+    # The chat template renders the end-of-turn token after the answer.
+    _, _, r2 = await rig.turn(text=P1 + text1 + EOS_PIECE + USER2)
+    assert r2.spliced
+    assert r2.prompt_token_ids == enc(P1) + tuple(ids1) + enc(USER2)
+    assert r2.cached_tokens == len(enc(P1)) + MAX_TOKENS - 1
+
+
+async def test_stop_string_disables_the_splice(model_dir):
+    engines = FakeEngines(stop_string=True)
+    rig = Rig(model_dir, engines)
+    text1, _, _ = await rig.turn(text=P1)
+    assert rig.store.ended[0][2].text is None
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert not r2.spliced
+    assert r2.cached_tokens == len(enc(P1))
+
+
+async def test_token_prompts_reuse_history(model_dir):
+    rig = Rig(model_dir)
+    p1 = enc(P1)
+    _, ids1, r1 = await rig.turn(ids=p1)
+    assert r1.prompt_token_ids == p1
+    assert rig.store.ended[0][2].text is None
+    p2 = p1 + tuple(ids1) + enc(USER2)
+    _, _, r2 = await rig.turn(ids=p2)
+    assert not r2.spliced
+    assert r2.cached_tokens == len(p1) + MAX_TOKENS - 1
+
+
+async def test_edited_history_is_not_pulled(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    edited = "X" + P1[1:] + text1 + USER2
+    _, ids2, r2 = await rig.turn(text=edited)
+    assert not r2.spliced
+    assert r2.miss_reason == "prefix_mismatch"
+    assert r2.prompt_token_ids == enc(edited)
+    assert r2.cached_tokens == 0 and r2.reused_from_decode == 0
+    assert rig.engines.prefill_requests[1].kv_params == first_leg_params()
+    assert rig.engines.pulls == []
+    assert ids2 == expected_answer(rig.engines, len(enc(edited)))[1]
+    # The claimed handle was not read; the edited conversation is stored for next time.
+    assert rig.store.ended[1][1] is TurnOutcome.UNUSED
+    assert rig.store.inner.counts["unused"] == 1
+    assert rig.store.stats()["claimed_handles"] == 0
+    assert rig.turns.counts["miss_prefix_mismatch"] == 1
+    assert rig.store.ended[1][2].token_ids == enc(edited) + tuple(ids2)
+
+
+async def test_history_shorter_than_threshold_is_recomputed(model_dir):
+    rig = Rig(model_dir, **{"transfer.recompute_threshold_tokens": 1000})
+    text1, _, _ = await rig.turn(text=P1)
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert r2.spliced
+    assert r2.miss_reason == "too_short"
+    assert r2.cached_tokens == 0
+    assert rig.engines.prefill_requests[1].kv_params == first_leg_params()
+    assert rig.store.ended[1][1] is TurnOutcome.UNUSED
+
+
+async def test_dead_decode_replica_drops_its_handles(model_dir):
+    rig = Rig(model_dir)
+    text1, _, r1 = await rig.turn(text=P1)
+    assert r1.decode_replica == "decode-0"
+    rig.engines.dead.add("decode-0")
+    text2 = P1 + text1 + USER2
+    _, ids2, r2 = await rig.turn(text=text2)
+    assert r2.miss_reason == "replica_gone"
+    assert rig.store.dropped == ["d-decode-0"]
+    assert r2.cached_tokens == 0
+    assert rig.engines.prefill_requests[1].kv_params == first_leg_params()
+    assert rig.engines.pulls == []
+    assert r2.decode_replica == "decode-1"
+    assert rig.store.ended[1][1] is TurnOutcome.UNUSED
+    assert rig.turns.counts["miss_replica_gone"] == 1
+    # The next turn reuses the new replica's history.
+    _, _, r3 = await rig.turn(text=text2 + "".join(chr(i - 1000) for i in ids2) + USER3)
+    assert r3.miss_reason is None
+    assert rig.engines.pulls[-1][0] == "d-decode-1"
+    assert r3.cached_tokens == len(r2.prompt_token_ids) + MAX_TOKENS - 1
+
+
+async def test_decode_failure_settles_the_claim_as_failed(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.fail_mid_stream = True
+    events = rig.turns.run(rig.input(text=P1 + text1 + USER2))
+    got = []
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        async for event in events:
+            got.append(event)
+    assert len(got) == 1 and isinstance(got[0], Delta)  # the first chunk went out
+    assert rig.engines.pulls  # prefill had pulled before decode failed
+    session, outcome, conv = rig.store.ended[-1]
+    assert (session, outcome, conv) == ("s1", TurnOutcome.FAILED, None)
+    stats = rig.store.stats()
+    assert stats["claimed_handles"] == 0 and stats["open_leases"] == 0
+    assert rig.store.inner.counts["failed"] == 1
+    assert rig.turns.counts["turns"] == 1
+    # The next turn recomputes and answers.
+    rig.engines.fail_mid_stream = False
+    _, _, r3 = await rig.turn(text=P1 + text1 + USER2)
+    assert r3.miss_reason == "failed"
+    assert r3.cached_tokens == 0
+    assert rig.store.stats()["handles"] == {"stored": 1}
+
+
+async def test_client_disconnect_settles_the_claim(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    events = rig.turns.run(rig.input(text=P1 + text1 + USER2))
+    first = await events.__anext__()
+    assert isinstance(first, Delta)
+    await events.aclose()
+    assert rig.store.ended[-1][1] is TurnOutcome.FAILED
+    assert rig.store.stats()["claimed_handles"] == 0
+    assert rig.store.stats()["open_leases"] == 0
+
+
+async def test_decode_retried_when_preferred_replica_fails_before_output(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.broken.add("decode-0")  # alive as far as the router knows, but fails
+    text2 = P1 + text1 + USER2
+    out2, ids2, r2 = await rig.turn(text=text2)
+    (first, r_first), (retry, r_retry) = rig.engines.decode_requests[1:]
+    assert (first.preferred_replica, r_first) == ("decode-0", "decode-0")
+    assert retry.preferred_replica is None and r_retry == "decode-1"
+    assert retry.request_id == first.request_id + "-retry"
+    assert retry.kv_params == first.kv_params
+    assert retry.prompt_token_ids == first.prompt_token_ids
+    assert r2.decode_replica == "decode-1"
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+    assert r2.cached_tokens == len(enc(P1)) + MAX_TOKENS - 1
+    assert rig.turns.counts["decode_retried"] == 1
+    assert rig.store.ended[-1][1] is TurnOutcome.PULLED
+    assert rig.store.ended[-1][2].decode_replica == "decode-1"
+    assert rig.store.ended[-1][2].handle.engine_id == "d-decode-1"
+
+
+async def test_decode_not_retried_without_preferred_replica(model_dir):
+    rig = Rig(model_dir)
+    rig.engines.broken.update(["decode-0", "decode-1"])
+    with pytest.raises(RuntimeError, match="gone"):
+        await rig.turn(text=P1)
+    assert len(rig.engines.decode_requests) == 1
+    assert rig.turns.counts["decode_retried"] == 0
+    assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
+    assert rig.store.stats()["open_leases"] == 0
+
+
+async def test_decode_not_retried_after_output(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.fail_mid_stream = True
+    with pytest.raises(RuntimeError):
+        await rig.turn(text=P1 + text1 + USER2)
+    assert len(rig.engines.decode_requests) == 2
+    assert rig.turns.counts["decode_retried"] == 0
+
+
+async def test_context_too_long(model_dir):
+    rig = Rig(model_dir, max_model_len=64)
+    text1, _, _ = await rig.turn(text=P1)  # 46 + 6 tokens fit
+    long_prompt = P1 + text1 + USER2
+    with pytest.raises(APIError) as err:
+        await rig.turn(text=long_prompt, max_tokens=6)
+    assert err.value.status == 400
+    assert err.value.code == "context_length_exceeded"
+    assert "64" in err.value.message
+    assert len(rig.engines.prefill_requests) == 1 and len(rig.engines.decode_requests) == 1
+    # The lease is released and the claimed handle settled.
+    stats = rig.store.stats()
+    assert stats["open_leases"] == 0 and stats["claimed_handles"] == 0
+    assert rig.store.ended[-1] == ("s1", TurnOutcome.FAILED, None)
+
+
+async def test_context_too_long_without_history(model_dir):
+    rig = Rig(model_dir, max_model_len=32)
+    with pytest.raises(APIError) as err:
+        await rig.turn(text=P1)
+    assert err.value.status == 400
+    assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
+    assert rig.store.stats()["open_leases"] == 0
+    assert not rig.engines.prefill_requests and not rig.engines.decode_requests
+
+
+async def test_default_max_tokens_clipped_to_room(model_dir):
+    rig = Rig(model_dir, max_model_len=50)
+    _, ids, r = await rig.turn(text=P1, max_tokens=16, given=False)  # 46-token prompt
+    assert r.completion_tokens == 4 and len(ids) == 4
+    assert rig.engines.decode_requests[0][0].sampling.max_tokens == 4
+    with pytest.raises(APIError):
+        await rig.turn(text=P1, max_tokens=16, given=True, session="s2")
+
+
+async def test_empty_prompt_refused(model_dir):
+    rig = Rig(model_dir)
+    with pytest.raises(APIError, match="empty"):
+        await rig.turn(text="")
+    assert rig.store.stats()["open_leases"] == 0
+
+
+async def test_sessionless_prompt_finds_its_session(model_dir):
+    rig = Rig(model_dir)
+    text1, ids1, r1 = await rig.turn(text=P1, session=None)
+    assert r1.session_id.startswith("s-")
+    assert rig.turns.counts["sessionless_new"] == 1
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2, session=None)
+    assert r2.session_id == r1.session_id
+    assert rig.turns.counts["sessionless_matched"] == 1
+    assert r2.spliced
+    assert r2.cached_tokens == len(enc(P1)) + MAX_TOKENS - 1
+    # An unrelated prompt starts a new session.
+    _, _, r3 = await rig.turn(text="USER: something else entirely\nASSISTANT:", session=None)
+    assert r3.session_id not in (r1.session_id,)
+    assert r3.miss_reason == "no_conversation"
+    assert rig.turns.counts["sessionless_new"] == 2
+
+
+async def test_sessionless_matching_off(model_dir):
+    rig = Rig(model_dir, **{"sessions.match_sessionless": False})
+    text1, _, r1 = await rig.turn(text=P1, session=None)
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2, session=None)
+    assert r2.session_id != r1.session_id
+    assert r2.miss_reason == "no_conversation" and r2.cached_tokens == 0
+
+
+async def test_concurrent_turns_of_one_session_claim_once(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    text2 = P1 + text1 + USER2
+    results = await asyncio.gather(rig.turn(text=text2), rig.turn(text=text2))
+    reasons = sorted(str(r.miss_reason) for _, _, r in results)
+    assert reasons == ["None", "claimed"]
+    assert sorted(r.cached_tokens for _, _, r in results) == [0, len(enc(P1)) + MAX_TOKENS - 1]
+    assert len(rig.engines.pulls) == 1
+    stats = rig.store.stats()
+    assert stats["open_leases"] == 0 and stats["claimed_handles"] == 0
+
+
+# -- other modes --------------------------------------------------------------------------------
+
+
+async def test_oneway_uses_no_store_and_recomputes(model_dir):
+    cfg = make_cfg(model_dir, mode="oneway")
+    engines = FakeEngines(keeps_kv=False)
+    turns = Turns(cfg, engines, NoStore(), FakeTokenizer())
+    sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0)
+    text1, ids1, r1 = await collect(turns.run(TurnInput("r1", sampling, session_id="s1", prompt_text=P1)))
+    text2 = P1 + text1 + USER2
+    _, _, r2 = await collect(turns.run(TurnInput("r2", sampling, session_id="s1", prompt_text=text2)))
+    assert [p.kv_params for p in engines.prefill_requests] == [first_leg_params(), first_leg_params()]
+    assert r1.session_id == r2.session_id == "s1"
+    assert r1.cached_tokens == r2.cached_tokens == 0
+    assert r1.miss_reason is None and r2.miss_reason is None
+    assert not r2.spliced and r2.prompt_token_ids == enc(text2)
+    for req, _ in engines.decode_requests:
+        assert req.kv_params["do_remote_prefill"] is True
+        assert req.preferred_replica is None
+    _, _, r3 = await collect(turns.run(TurnInput("r3", sampling, prompt_text=P1)))
+    assert r3.session_id.startswith("s-")
+
+
+async def test_single_mode_has_no_prefill(model_dir):
+    rig = Rig(model_dir, mode="single")
+    text1, ids1, r1 = await rig.turn(text=P1)
+    assert rig.engines.prefill_requests == []
+    assert rig.engines.decode_requests[0][0].kv_params is None
+    assert r1.cached_tokens == 0
+    assert r1.miss_reason == "no_conversation"
+    text2 = P1 + text1 + USER2
+    _, _, r2 = await rig.turn(text=text2)
+    assert rig.engines.prefill_requests == []
+    assert r2.spliced  # the store keeps the exact ids for the engine's prefix cache
+    req2, replica2 = rig.engines.decode_requests[1]
+    assert req2.kv_params is None
+    assert req2.preferred_replica == "decode-0" and replica2 == "decode-0"
+    # Cached tokens are the engine's own prefix-cache hits (whole blocks, known KV only).
+    assert r2.cached_tokens == (len(enc(P1)) + MAX_TOKENS) // BLOCK * BLOCK
+    assert r2.miss_reason == "no_handle"
+    assert rig.store.inner.counts["stored"] == 0
+    assert rig.store.stats()["open_leases"] == 0
+
+
+async def test_turn_counters(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    await rig.turn(text=P1 + text1 + USER2)
+    counts: Counter = rig.turns.counts
+    assert counts["turns"] == 2
+    assert counts["spliced"] == 1
+    assert counts["miss_no_conversation"] == 1
+    assert counts["handle_used"] == 1
+    assert counts["prompt_tokens"] == len(enc(P1)) + len(enc(P1)) + MAX_TOKENS + len(enc(USER2))
