@@ -47,7 +47,7 @@ class EngineRoleConfig(_Strict):
     )
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching on this role.")
     kv_cache_memory_bytes: int | None = Field(
-        None, ge=1 << 20, description="KV cache size per engine (CPU: host RAM). None: vLLM's default sizing."
+        None, ge=1 << 20, description="KV cache size per engine (CPU: host RAM). None: vLLM's sizing on GPU, 1 GiB on CPU."
     )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -69,6 +69,14 @@ class TransferConfig(_Strict):
     )
     decoder_kv_blocks_ttl_s: float = Field(
         480.0, gt=0, description="How long a decode engine pins a finished turn's blocks for the next pull."
+    )
+    pull_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "A prefill leg that pulls history and has not answered by then is aborted and "
+            "recomputed without the pull (a failed NIXL handshake can otherwise stall it)."
+        ),
     )
     side_channel_base_port: int = Field(
         5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each node; each replica takes a free one."

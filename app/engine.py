@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from app.config import AppConfig, EngineRoleConfig, Mode
@@ -156,6 +156,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
 def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, transfer: bool):
     """vLLM AsyncEngineArgs for one role. `transfer` adds the NixlConnector."""
     from vllm.config import KVTransferConfig
@@ -195,6 +198,10 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
     )
     if role.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = role.kv_cache_memory_bytes
+    elif current_platform.is_cpu():
+        # On CPU vLLM otherwise reserves a fraction of all host RAM per engine, and the
+        # second engine on a machine refuses to start.
+        kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
     kwargs.update(role.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 
@@ -307,4 +314,3 @@ class EngineInfo:
     replica_id: str
     engine_id: str
     side_channel: tuple[str, int] | None
-    extra: dict[str, Any] = field(default_factory=dict)

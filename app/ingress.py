@@ -69,8 +69,8 @@ class _HFTokenizer:
             raise APIError(400, f"messages could not be rendered by the chat template: {exc}", param="messages")
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self._tok.eos_token_id
+    def vocab_size(self) -> int:
+        return len(self._tok)
 
 
 class ServeEngineClients:
@@ -154,7 +154,7 @@ class Ingress:
                 raise APIError(400, "the request body must be a JSON object")
             body = model_cls.model_validate(data)
             session_id = request.headers.get(self._cfg.sessions.session_header)
-            turn, stream = self._prepare(body, session_id, events)
+            turn = self._prepare(body, session_id, events)
             if body.stream:
                 return StreamingResponse(self._sse(kind, body, turn), media_type="text/event-stream")
             result = await self._collect(kind, body, turn)
@@ -188,12 +188,12 @@ class Ingress:
 
     async def _call(self, model_cls, events, kind, body, session_id):
         parsed = self._validate(model_cls, body)
-        turn, _ = self._prepare(parsed, session_id, events)
+        turn = self._prepare(parsed, session_id, events)
         return await self._collect(kind, parsed, turn)
 
     async def _call_stream(self, model_cls, events, kind, body, session_id):
         parsed = self._validate(model_cls, body)
-        turn, _ = self._prepare(parsed, session_id, events)
+        turn = self._prepare(parsed, session_id, events)
         async for chunk in self._chunks(kind, parsed, turn):
             yield chunk
 
@@ -207,11 +207,11 @@ class Ingress:
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
-    def _prepare(self, body, session_id: str | None, events) -> tuple[TurnInput, Any]:
+    def _prepare(self, body, session_id: str | None, events) -> TurnInput:
         if body.model != self._cfg.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist.", type="NotFoundError", param="model", code="model_not_found")
         text, ids = events(body)
-        if ids is not None and any(t < 0 or t >= self._vocab_limit() for t in ids):
+        if ids is not None and any(t < 0 or t >= self._tok.vocab_size for t in ids):
             raise APIError(400, "prompt token ids out of the vocabulary's range", param="prompt")
         limit = body.answer_limit
         sampling = Sampling(
@@ -230,10 +230,7 @@ class Ingress:
             prompt_ids=ids,
             max_tokens_given=limit is not None,
         )
-        return turn, body.stream
-
-    def _vocab_limit(self) -> int:
-        return len(self._tok._tok)
+        return turn
 
     def _chat_events(self, body: ChatCompletionRequest):
         try:

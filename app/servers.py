@@ -49,9 +49,12 @@ class EngineServer:
 
         Pass a `ReplicaQuery` to reach a given replica (the router honours it)."""
         c = self._engine.counts()
+        info = self.info()
         return {
             "replica_id": self.replica_id,
-            "engine_id": self.info().engine_id,
+            "engine_id": info.engine_id,
+            "node_ip": ray.util.get_node_ip_address(),
+            "side_channel": list(info.side_channel) if info.side_channel else None,
             "prompt_tokens_total": c.total,
             "prompt_tokens_computed": c.computed,
             "prompt_tokens_local_hit": c.local_cache_hit,

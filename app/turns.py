@@ -235,24 +235,35 @@ class Turns:
 
     async def _prefill(self, turn: TurnInput, prompt_ids, history: KVHandle | None) -> tuple[dict | None, int, bool]:
         """Run the prefill leg. Returns params for decode (None: decode computes all),
-        the prompt tokens prefill did not compute, and whether the offered history was read."""
+        the prompt tokens prefill did not compute, and whether the offered history was read.
+
+        A leg that pulls history gets `transfer.pull_timeout_s`; past it the call is
+        cancelled (the server aborts the engine request) and prefill recomputes."""
         request = EngineRequest(
             request_id=turn.request_id + "-prefill",
             prompt_token_ids=prompt_ids,
             sampling=Sampling(max_tokens=1, temperature=0.0),
             kv_params=prefill_params(history),
         )
-        final, _ = await self._clients.prefill(request)
-        cached = final.num_cached_tokens
-        pull_ok = history is None or cached + self._cfg.block_size > history.num_tokens
-        if not pull_ok:
-            # Prefill's recompute policy took over: the pull failed.
-            self.counts["pull_short"] += 1
         try:
-            return KVHandle.from_wire(final.kv_params).to_wire(), cached, pull_ok
+            timeout = self._cfg.transfer.pull_timeout_s if history is not None else None
+            final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
+        except asyncio.TimeoutError:
+            self.counts["pull_timeout"] += 1
+            retry = EngineRequest(request.request_id + "-recompute", prompt_ids, request.sampling, prefill_params(None))
+            final, _ = await self._clients.prefill(retry)
+            history = None
+            pull_ok = False
+        else:
+            pull_ok = history is None or final.num_cached_tokens + self._cfg.block_size > history.num_tokens
+            if not pull_ok:
+                # Prefill's recompute policy took over: the pull failed.
+                self.counts["pull_short"] += 1
+        try:
+            return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:
             self.counts["prefill_no_handle"] += 1
-            return None, cached, pull_ok
+            return None, final.num_cached_tokens, pull_ok
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
         """Stream from decode. If the session's preferred replica fails before its first

@@ -20,9 +20,13 @@ PD_PORT = 8123
 
 
 def pytest_collection_modifyitems(config, items):
+    """Mark the engine tests, and run the tests sharing the `apps` cluster last: the tests
+    that start Ray clusters of their own (two nodes, the benchmark) then never run beside
+    its idle engines on this small machine."""
     for item in items:
-        if "e2e" in item.nodeid or "tests/e2e" in str(item.fspath):
+        if "apps" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
+    items.sort(key=lambda item: "apps" in getattr(item, "fixturenames", ()))
 
 
 def pd_config(**overrides):
@@ -36,7 +40,7 @@ def pd_config(**overrides):
         "default_max_tokens": 16,
         "prefill": {"num_cpus": 0.5, "enable_prefix_caching": False, "kv_cache_memory_bytes": 128 << 20},
         "decode": {"num_cpus": 0.5, "num_replicas": 2, "kv_cache_memory_bytes": 128 << 20},
-        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40},
+        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40, "pull_timeout_s": 15},
         # Short lifetimes so the expiry and clean-up tests need not wait long.
         "sessions": {"handle_ttl_s": 25},
         "app_name": "pd",

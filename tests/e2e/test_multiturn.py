@@ -111,17 +111,36 @@ def test_interleaved_sessions_do_not_cross_talk(apps):
         _turn_checks(apps, r, before, history[name])
 
 
-def test_edited_history_does_not_pull(apps):
+def _common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("edit", ["user_message", "system_prompt"])
+def test_edited_history_never_pulls_past_the_edit(apps, edit):
+    """An edited history pulls at most the verified common prefix (none when the edit is
+    near the start), and the answer equals a recomputation."""
     url = apps["url"]
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Original question about the logs. " * 3}]
-    first = chat(url, msgs, session="edit", max_tokens=20)
-    edited = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Edited question about the build. " * 3},
-              {"role": "assistant", "content": first.text}, {"role": "user", "content": TOOL_RESULT}]
+    first = chat(url, msgs, session=f"edit-{edit}", max_tokens=20)
+    edited = [dict(m) for m in msgs]
+    if edit == "system_prompt":
+        edited[0]["content"] = "Be terse. " + SYSTEM
+    else:
+        edited[1]["content"] = "Edited question about the build. " * 3
+    edited += [{"role": "assistant", "content": first.text}, {"role": "user", "content": TOOL_RESULT}]
     before = engine_stats("PrefillServer")
-    second = chat(url, edited, session="edit", max_tokens=20)
-    p = delta(engine_stats("PrefillServer"), before)
-    assert p["prompt_tokens_external"] == 0
-    assert second.kvturn["miss_reason"] == "prefix_mismatch"
+    second = chat(url, edited, session=f"edit-{edit}", max_tokens=20)
+    pulled = delta(engine_stats("PrefillServer"), before)["prompt_tokens_external"]
+    common = _common_prefix(first.prompt_token_ids + first.token_ids, second.prompt_token_ids)
+    assert common < len(first.prompt_token_ids), "the edit must fall inside the stored prompt"
+    assert pulled <= common
+    if edit == "system_prompt":
+        assert pulled == 0 and second.kvturn["miss_reason"] == "prefix_mismatch"
+    else:
+        assert second.kvturn["reused_from_decode"] == common
     assert second.token_ids == reference_tokens(url, second.prompt_token_ids, len(second.token_ids))
 
 
