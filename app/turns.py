@@ -223,7 +223,7 @@ class Turns:
             self.counts["miss_replica_gone"] += 1
             await self._store.drop_engine(claim.handle.engine_id)
             return None, "replica_gone"
-        handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids)
+        handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
         if drift:
             self.counts["drift_cut"] += 1
             self.counts["drift_tokens"] += drift

@@ -65,9 +65,21 @@ class KVHandle:
     def num_blocks(self) -> int:
         return sum(len(group) for group in self.block_ids)
 
-    def capped(self, num_tokens: int) -> "KVHandle":
-        """The same blocks, promising no more than `num_tokens` leading positions."""
-        return replace(self, num_tokens=max(0, min(self.num_tokens, num_tokens)))
+    def capped(self, num_tokens: int, block_size: int) -> "KVHandle":
+        """The leading blocks that hold the first `num_tokens` positions, and no others.
+
+        The block list must shrink with the token count: a reader aligns the owner's
+        blocks to its own from the END of the list (it assumes its prefix cache holds
+        the head), so a list longer than the positions read would pair the reader's
+        blocks with the owner's later blocks and load the wrong KV.
+        """
+        num_tokens = max(0, min(self.num_tokens, num_tokens))
+        keep = -(-num_tokens // block_size)
+        return replace(
+            self,
+            num_tokens=num_tokens,
+            block_ids=tuple(group[:keep] for group in self.block_ids),
+        )
 
     @classmethod
     def from_wire(cls, params: Mapping[str, Any] | None) -> "KVHandle":

@@ -364,7 +364,7 @@ class HandleStore:
                     record.state = HandleState.EXPIRED
 
 
-def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int]) -> tuple[KVHandle, int]:
+def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int], block_size: int) -> tuple[KVHandle, int]:
     """Cap `handle` to the positions where the decode engine's tokens equal the new
     prompt's, never the prompt's last token (prefill must compute at least one).
 
@@ -374,4 +374,4 @@ def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int
     common = common_prefix_len(held, prompt_ids)
     usable = min(common, len(prompt_ids) - 1)
     drift = max(0, min(handle.num_tokens, len(prompt_ids) - 1) - usable)
-    return handle.capped(usable), drift
+    return handle.capped(usable, block_size), drift

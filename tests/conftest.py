@@ -60,7 +60,8 @@ def ray_cluster():
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvturn-tests")
+    # address="local": always a fresh cluster, never one another test left registered.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvturn-tests")
     yield
     from ray import serve
 

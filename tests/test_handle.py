@@ -14,6 +14,8 @@ from connector.handle import (
 
 # What a decode engine returns after a turn with bi-directional transfer on: its blocks
 # (prompt + answer) are pinned for the next turn's prefill to read.
+BLOCK = 128  # DECODE_SIDE: 309 positions in 3 blocks
+
 DECODE_SIDE = {
     "do_remote_prefill": False,
     "do_remote_decode": True,
@@ -116,7 +118,7 @@ def test_round_trip(params):
     gives back the same handle."""
     h = KVHandle.from_wire(params)
     assert KVHandle.from_wire(h.to_wire()) == h
-    capped = h.capped(10)
+    capped = h.capped(10, BLOCK)
     assert KVHandle.from_wire(capped.to_wire()) == capped
 
 
@@ -144,18 +146,23 @@ def test_wire_error_is_value_error():
     assert issubclass(WireError, ValueError)
 
 
-@pytest.mark.parametrize("cap, expected", [(0, 0), (-5, 0), (100, 100), (308, 308), (309, 309), (310, 309), (10_000, 309)])
-def test_capped_never_raises(cap, expected):
+@pytest.mark.parametrize(
+    "cap, expected, blocks",
+    [(0, 0, ()), (-5, 0, ()), (100, 100, (1,)), (128, 128, (1,)), (129, 129, (1, 2)), (308, 308, (1, 2, 3)), (309, 309, (1, 2, 3)), (310, 309, (1, 2, 3)), (10_000, 309, (1, 2, 3))],
+)
+def test_capped_never_raises_and_keeps_only_leading_blocks(cap, expected, blocks):
     h = KVHandle.from_wire(DECODE_SIDE)
-    c = h.capped(cap)
+    c = h.capped(cap, BLOCK)
     assert c.num_tokens == expected
-    assert c.block_ids == h.block_ids and c.engine_id == h.engine_id
-    assert h.num_tokens == 309  # frozen: the original is unchanged
+    # Only the blocks holding the kept positions remain: a reader aligns the owner's
+    # list to its own from the end, so extra trailing blocks would load the wrong KV.
+    assert c.block_ids == (blocks,) and c.engine_id == h.engine_id
+    assert h.num_tokens == 309 and h.block_ids == ((1, 2, 3),)  # frozen: the original is unchanged
 
 
 def test_capped_twice_cannot_grow_back():
-    h = KVHandle.from_wire(DECODE_SIDE).capped(50)
-    assert h.capped(200).num_tokens == 50
+    h = KVHandle.from_wire(DECODE_SIDE).capped(50, BLOCK)
+    assert h.capped(200, BLOCK).num_tokens == 50
     assert h.to_wire()["remote_num_tokens"] == 50
 
 
@@ -169,7 +176,7 @@ def test_prefill_params_none_is_first_leg():
 
 
 def test_prefill_params_reads_decode_history():
-    h = KVHandle.from_wire(DECODE_SIDE).capped(120)
+    h = KVHandle.from_wire(DECODE_SIDE).capped(120, BLOCK)
     params = prefill_params(h)
     assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
     assert params["remote_num_tokens"] == 120

@@ -444,23 +444,24 @@ def test_chain_hashes_and_common_prefix():
 
 def test_restrict_caps_to_common_prefix():
     held = tuple(range(20))
-    h = handle(num_tokens=19)  # the last generated token has no KV yet
-    prompt = tuple(range(12)) + (99, 98, 97)
-    capped, drift = restrict(h, prompt, held)
-    assert capped.num_tokens == 12
-    # Drift counts positions the prompt could have used (up to its last token, 14) that
-    # disagree with the held ones: 12 and 13.
+    h = handle(blocks=5, num_tokens=19)  # the last generated token has no KV yet
+    prompt = tuple(range(13)) + (99, 98, 97)
+    capped, drift = restrict(h, prompt, held, BLOCK)
+    assert capped.num_tokens == 13
+    # Drift counts positions the prompt could have used (up to its last token, 15) that
+    # disagree with the held ones: 13 and 14.
     assert drift == 2
-    assert capped.block_ids == h.block_ids
+    # Only the 4 leading blocks that hold positions 0..12 are offered to the reader.
+    assert capped.block_ids == (h.block_ids[0][:4],)
 
 
 def test_restrict_never_includes_prompt_last_token():
     held = tuple(range(20))
     h = handle(num_tokens=19)
-    capped, drift = restrict(h, held[:10], held)
+    capped, drift = restrict(h, held[:10], held, BLOCK)
     assert capped.num_tokens == 9
     assert drift == 0  # the prompt simply ends earlier: nothing drifted
-    capped, drift = restrict(h, held, held)
+    capped, drift = restrict(h, held, held, BLOCK)
     assert capped.num_tokens == 19
     assert drift == 0
 
@@ -468,7 +469,7 @@ def test_restrict_never_includes_prompt_last_token():
 def test_restrict_full_continuation():
     held = tuple(range(20))
     h = handle(num_tokens=19)
-    capped, drift = restrict(h, held + (1, 2, 3), held)
+    capped, drift = restrict(h, held + (1, 2, 3), held, BLOCK)
     assert capped.num_tokens == 19
     assert drift == 0
 
@@ -476,14 +477,14 @@ def test_restrict_full_continuation():
 def test_restrict_ignores_held_ids_beyond_handle():
     held = tuple(range(20))
     h = handle(num_tokens=10)
-    capped, drift = restrict(h, held + (1,), held)
+    capped, drift = restrict(h, held + (1,), held, BLOCK)
     assert capped.num_tokens == 10
     assert drift == 0
 
 
 def test_restrict_total_mismatch():
     h = handle(num_tokens=19)
-    capped, drift = restrict(h, (7, 7, 7, 7, 7), tuple(range(20)))
+    capped, drift = restrict(h, (7, 7, 7, 7, 7), tuple(range(20)), BLOCK)
     assert capped.num_tokens == 0
     assert drift == 4
 
