@@ -1,0 +1,192 @@
+"""kvturn benchmark: multi-turn agentic sessions through each serving mode.
+
+    python -m bench                          # CPU profile: oneway, bidir, single, one after another
+    python -m bench --profile smoke --out /tmp/smoke.json
+    python -m bench --profile gpu            # one accelerator, Qwen3-8B shape, ~24k-token histories
+    python -m bench --url http://host:8000 --label bidir-prod   # an already running deployment
+
+Without --url it starts a local Ray cluster of its own, deploys the app once per mode
+(`oneway`: plain P/D, prefill recomputes the history each turn; `bidir`: P/D with the
+history pulled back from decode; `single`: one engine with prefix caching and session
+affinity, no transfer), drives the same workload through each, deletes it, and shuts
+Ray down. Results: a JSON file, a PNG of TTFT p50 per turn next to it, and markdown
+tables on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench.profiles import MODES, PROFILES, profile as get_profile
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+
+PROFILE_HELP = """\
+profiles:
+  cpu    (default) models/bench-qwen3: Qwen3 with 12 layers, hidden 768, 12 heads / 4 KV
+         heads, head_dim 64, intermediate 2048, random weights (load_format=dummy),
+         float32, eager; 1 GiB KV cache per engine. 2 sessions x 5 turns, concurrency 2:
+         system ~600 tokens, tool results ~2200 tokens, answers 32 tokens, histories up
+         to ~8k tokens. Prefill prefix caching on. About 10-15 minutes on 2 cores.
+  gpu    One accelerator (e.g. an H200) shared by prefill and decode (num_gpus 0.5 and
+         gpu_memory_utilization 0.45 each; the single engine gets the same share).
+         models/bench-qwen3-8b: Qwen3-8B's architecture (36 layers, hidden 4096, 32/8
+         heads, head_dim 128, intermediate 12288) with random weights, bfloat16, CUDA
+         graphs, 32 GiB KV cache per engine, max_model_len 32768. 8 sessions x 6 turns,
+         concurrency 8: system ~2000, tool results ~4400, answers 128 tokens; histories
+         up to ~24k tokens. KV moves over NIXL/UCX from GPU memory (no UCX_NET_DEVICES
+         set: pass --env UCX_NET_DEVICES=... to pin one).
+  smoke  The embedded tiny model, 2 sessions x 2 turns of short texts; prefill prefix
+         caching off so that every history token bidir reuses on prefill is pulled.
+
+The benchmark models share the tiny model's tokenizer (its vocabulary is small, so the
+embedding and LM head are too); they are written under models/ on first use.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        epilog=PROFILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--profile", choices=PROFILES, default="cpu", help="model, engine and workload preset (default: cpu)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to deploy, in order (default: %(default)s)")
+    p.add_argument("--url", help="benchmark a deployment already serving at URL (one mode; no deploy)")
+    p.add_argument("--label", help="name of the --url deployment in the results (default: 'url')")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON; the PNG goes next to it (default: bench/results/latest.json)")
+    p.add_argument("--port", type=int, default=8300, help="Serve HTTP port of the local cluster (default: %(default)s)")
+
+    w = p.add_argument_group("workload (defaults come from the profile)")
+    w.add_argument("--sessions", type=int, help="concurrent conversations")
+    w.add_argument("--turns", type=int, help="turns per conversation")
+    w.add_argument("--concurrency", type=int, help="sessions in flight at once")
+    w.add_argument("--system-tokens", type=int, help="shared system prompt length")
+    w.add_argument("--user-tokens", type=int, help="user message length")
+    w.add_argument("--tool-tokens", type=int, help="tool result length")
+    w.add_argument("--answer-tokens", type=int, help="answer length (max_tokens, ignore_eos)")
+    w.add_argument("--tool-prob", type=float, help="chance a later turn adds a tool result instead of a user message")
+    w.add_argument("--seed", type=int, help="workload seed")
+    w.add_argument("--warmup-turns", type=int, default=2, help="turns of the unmeasured warm-up session per mode (0: none; default 2)")
+
+    e = p.add_argument_group("engines (defaults come from the profile)")
+    e.add_argument("--model", help="model path or id (overrides the profile's model)")
+    e.add_argument("--dtype", help="e.g. float32, bfloat16")
+    e.add_argument("--load-format", help="vLLM load format (profile default: dummy, random weights)")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="skip graph capture/compilation")
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
+    e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
+    e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _profile_from(args: argparse.Namespace):
+    prof = get_profile(args.profile)
+    spec_changes = {
+        k: getattr(args, k)
+        for k in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens", "tool_prob", "seed")
+        if getattr(args, k) is not None
+    }
+    from dataclasses import replace
+
+    env = dict(prof.env)
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return prof.with_overrides(
+        workload=replace(prof.workload, **spec_changes),
+        model=args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+        prefill_prefix_caching=args.prefill_prefix_caching,
+        env=env,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prof = _profile_from(args)
+    from tqdm import tqdm
+
+    from bench import report, runner
+    from bench.workload import TokenCounter, WorkloadSpec, generate
+
+    started = time.perf_counter()
+    spec: WorkloadSpec = prof.workload
+    model_path = runner.resolve_model(prof) if not args.url else (args.model or runner.resolve_model(prof))
+    counter = TokenCounter(model_path)
+    workload = generate(spec, counter)
+    warmup = None
+    if args.warmup_turns > 0:
+        from dataclasses import replace
+
+        warm_spec = replace(spec, sessions=1, concurrency=1, turns=args.warmup_turns, system_tokens=min(spec.system_tokens, 200), tool_tokens=min(spec.tool_tokens, 300))
+        warmup = generate(warm_spec, counter, tag="warmup")
+
+    modes = [args.label or "url"] if args.url else [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES] if not args.url else []
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {list(MODES)}")
+
+    total = len(modes) * spec.sessions * spec.turns
+    bar = tqdm(total=total, unit="turn", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+
+    def log(msg: str) -> None:
+        bar.write(msg, file=sys.stderr)
+
+    def on_turn(record) -> None:
+        bar.update(1)
+        if record.ok:
+            bar.set_postfix_str(f"s{record.session} t{record.turn} ttft {record.ttft_s:.2f}s")
+        else:
+            log(f"  session {record.session} turn {record.turn}: {record.error}")
+
+    runs = []
+    if args.url:
+        bar.set_description(modes[0])
+        runs.append(runner.run_url(args.url, modes[0], workload, warmup, on_turn, log))
+    else:
+        with runner.LocalCluster(args.port, prof.env) as cluster:
+            for mode in modes:
+                bar.set_description(mode)
+                runs.append(runner.run_mode(cluster, prof, mode, model_path, workload, warmup, on_turn, log))
+    bar.close()
+
+    meta = {
+        "profile": prof.name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "duration_s": None,
+        "model": model_path,
+        "model_name": Path(model_path).name if "/" in model_path else model_path,
+        "url": args.url,
+        "engine": {k: v for k, v in prof.as_dict().items() if k not in ("workload", "name", "model")},
+        "workload": workload.summary(),
+        "host": {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+    }
+    results = report.build_results(meta, runs, spec.turns)
+    results["duration_s"] = time.perf_counter() - started
+    out: Path = args.out
+    report.write_json(results, out)
+    png = None if args.no_plot else report.plot(results, out.with_suffix(".png"))
+    print(report.markdown(results))
+    print(f"\nresults: {out}" + (f"\nplot: {png}" if png else "") + f"\ntotal time: {results['duration_s']:.0f} s")
+    failed = sum(m["overall"]["errors"] for m in results["modes"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

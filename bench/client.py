@@ -1,0 +1,221 @@
+"""The load generator: runs a workload's sessions against `/v1/chat/completions`.
+
+Sessions run concurrently (at most `concurrency` at once), the turns of a session one
+after another. Every turn is a streaming request carrying the session header; the client
+times it and reads usage and the `kvturn` reuse facts from the final chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import httpx
+
+from bench.workload import SessionPlan, Workload
+
+
+@dataclass
+class TurnRecord:
+    """One measured request."""
+
+    session: int
+    turn: int  # 1-based
+    kind: str
+    ok: bool = False
+    error: str | None = None
+    start_s: float = 0.0
+    """Seconds since the mode's measured phase began."""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    """Gaps between consecutive content chunks (one token per chunk in this app)."""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reused_from_decode: int | None = None
+    miss_reason: str | None = None
+    spliced: bool | None = None
+    finish_reason: str | None = None
+    answer_chars: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TurnFailed(RuntimeError):
+    pass
+
+
+async def chat_turn(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    messages: list[dict],
+    *,
+    session_id: str,
+    max_tokens: int,
+    record: TurnRecord,
+    t0: float,
+    session_header: str = "x-session-id",
+) -> str:
+    """Send one streaming turn, fill `record`, return the answer text."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    texts: list[str] = []
+    stamps: list[float] = []
+    start = time.perf_counter()
+    record.start_s = start - t0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers={session_header: session_id}) as r:
+        if r.status_code != 200:
+            raise TurnFailed(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
+        done = False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise TurnFailed(f"in-stream error: {chunk['error']}")
+            now = time.perf_counter()
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta") or {}
+                # The opening chunk only names the role; every later delta carries the
+                # output of a decode step (its text may be empty for a special token).
+                if "content" in delta and "role" not in delta:
+                    stamps.append(now)
+                    texts.append(delta["content"] or "")
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+                record.prompt_tokens = usage.get("prompt_tokens")
+                record.completion_tokens = usage.get("completion_tokens")
+                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if "kvturn" in chunk:
+                kv = chunk["kvturn"]
+                record.reused_from_decode = kv.get("reused_from_decode")
+                record.miss_reason = kv.get("miss_reason")
+                record.spliced = kv.get("spliced")
+        if not done:
+            raise TurnFailed("stream ended without [DONE]")
+    end = time.perf_counter()
+    if not stamps:
+        raise TurnFailed("no content chunk in the stream")
+    record.ttft_s = stamps[0] - start
+    record.e2e_s = end - start
+    record.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    text = "".join(texts)
+    record.answer_chars = len(text)
+    record.ok = True
+    return text
+
+
+async def run_session(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    plan: SessionPlan,
+    *,
+    session_id: str,
+    t0: float,
+    on_turn: Callable[[TurnRecord], None],
+    session_header: str,
+) -> list[TurnRecord]:
+    messages: list[dict] = [{"role": "system", "content": workload.system}]
+    records: list[TurnRecord] = []
+    for i, turn in enumerate(plan.turns):
+        messages.extend(turn.messages)
+        record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
+        try:
+            answer = await chat_turn(
+                client, url, model, messages,
+                session_id=session_id, max_tokens=workload.spec.answer_tokens,
+                record=record, t0=t0, session_header=session_header,
+            )
+        except (TurnFailed, httpx.HTTPError, json.JSONDecodeError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+            records.append(record)
+            on_turn(record)
+            # Later turns would build on a missing answer: count them as not run.
+            for j in range(i + 1, len(plan.turns)):
+                skipped = TurnRecord(session=plan.index, turn=j + 1, kind=plan.turns[j].kind, error="skipped: an earlier turn failed")
+                records.append(skipped)
+                on_turn(skipped)
+            return records
+        records.append(record)
+        on_turn(record)
+        messages.append({"role": "assistant", "content": answer})
+    return records
+
+
+async def run_workload(
+    url: str,
+    model: str,
+    workload: Workload,
+    *,
+    session_prefix: str,
+    on_turn: Callable[[TurnRecord], None] = lambda r: None,
+    session_header: str = "x-session-id",
+    timeout_s: float = 1800.0,
+) -> tuple[list[TurnRecord], float]:
+    """Run all sessions; return their records (session, turn order) and the wall time."""
+    sem = asyncio.Semaphore(workload.spec.concurrency)
+    limits = httpx.Limits(max_connections=workload.spec.concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def one(plan: SessionPlan) -> list[TurnRecord]:
+            async with sem:
+                return await run_session(
+                    client, url, model, workload, plan,
+                    session_id=f"{session_prefix}-s{plan.index}", t0=t0, on_turn=on_turn, session_header=session_header,
+                )
+
+        results = await asyncio.gather(*(one(p) for p in workload.sessions))
+        wall = time.perf_counter() - t0
+    return [r for session in results for r in session], wall
+
+
+async def served_model(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        r = await client.get(url + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+async def kv_stats(url: str) -> dict | None:
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            r = await client.get(url + "/v1/kv/stats")
+            return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while True:
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+            await asyncio.sleep(1.0)

@@ -1,0 +1,143 @@
+"""Benchmark profiles: the model, engine settings and workload of a run.
+
+* `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
+  engines; 2 sessions x 5 turns whose history grows to about 8k tokens, so prefill
+  dominates. About 10-15 minutes on 2 cores for the three modes.
+* `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
+  on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
+  about 24k tokens.
+* `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from app.config import DEFAULT_MODEL, AppConfig, Mode
+from bench.workload import WorkloadSpec
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    """A path, or the name of a model in `bench.models.SHAPES` (built under models/)."""
+    workload: WorkloadSpec
+    load_format: str = "dummy"
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    max_model_len: int = 12288
+    block_size: int = 32
+    prefill_prefix_caching: bool = True
+    kv_cache_bytes: int | None = 1 * GiB
+    """Per engine; None: vLLM's own sizing."""
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    recompute_threshold_tokens: int = 64
+    kv_buffer_device: str | None = "cpu"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def with_overrides(self, **changes) -> "Profile":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["workload"] = self.workload.as_dict()
+        return d
+
+    def app_config(self, mode: str, model_path: str, app_name: str) -> AppConfig:
+        """The app's config for one mode: one prefill and one decode engine (P/D modes),
+        or one engine (single)."""
+        role = {
+            "num_replicas": 1,
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "kv_cache_memory_bytes": self.kv_cache_bytes,
+            "engine_kwargs": dict(self.engine_kwargs),
+        }
+        tree = {
+            "mode": mode,
+            "model": model_path,
+            "dtype": self.dtype,
+            "load_format": self.load_format,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "enforce_eager": self.enforce_eager,
+            "default_max_tokens": self.workload.answer_tokens,
+            "prefill": {**role, "enable_prefix_caching": self.prefill_prefix_caching},
+            "decode": {**role, "enable_prefix_caching": True},
+            "transfer": {
+                "recompute_threshold_tokens": self.recompute_threshold_tokens,
+                "kv_buffer_device": self.kv_buffer_device,
+            },
+            "app_name": app_name,
+            "env": dict(self.env),
+        }
+        return AppConfig.model_validate(tree)
+
+
+def _cpu_env() -> dict[str, str]:
+    # Every engine's OpenMP team spans all cores: vLLM's automatic binding would give the
+    # single engine fewer threads than a P/D engine on a small machine.
+    n = os.cpu_count() or 1
+    return {
+        "UCX_NET_DEVICES": "lo",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}" if n > 1 else "0",
+    }
+
+
+def profile(name: str) -> Profile:
+    if name == "cpu":
+        return Profile(
+            name="cpu",
+            model="bench-qwen3",
+            workload=WorkloadSpec(sessions=2, turns=5, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=2200, answer_tokens=32, tool_prob=0.8),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=12288,
+            kv_cache_bytes=1 * GiB,
+            env=_cpu_env(),
+        )
+    if name == "gpu":
+        return Profile(
+            name="gpu",
+            model="bench-qwen3-8b",
+            workload=WorkloadSpec(sessions=8, turns=6, concurrency=8, system_tokens=2000, user_tokens=300, tool_tokens=4400, answer_tokens=128, tool_prob=0.8),
+            dtype="bfloat16",
+            enforce_eager=False,
+            max_model_len=32768,
+            # Prefill and decode share the accelerator: half of it each (the single
+            # engine gets the same half).
+            kv_cache_bytes=32 * GiB,
+            num_cpus=1.0,
+            num_gpus=0.5,
+            engine_kwargs={"gpu_memory_utilization": 0.45},
+            kv_buffer_device=None,
+            env={},
+        )
+    if name == "smoke":
+        return Profile(
+            name="smoke",
+            model=str(DEFAULT_MODEL),
+            workload=WorkloadSpec(sessions=2, turns=2, concurrency=2, system_tokens=80, user_tokens=30, tool_tokens=120, answer_tokens=8, tool_prob=0.5),
+            load_format="auto",
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=2048,
+            # Off, so that every history token prefill reuses in bidir is a pulled one.
+            prefill_prefix_caching=False,
+            kv_cache_bytes=128 * MiB,
+            recompute_threshold_tokens=32,
+            env=_cpu_env(),
+        )
+    raise ValueError(f"unknown profile {name!r} (cpu, gpu, smoke)")
+
+
+PROFILES = ("cpu", "gpu", "smoke")
+MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))

@@ -1,0 +1,265 @@
+"""Runs the workload: deploys each mode in turn on a local Ray cluster, or drives an
+already running deployment (`--url`).
+
+Per mode: deploy (`serve.run`), wait for `/health`, warm up with a separate short
+workload (engines and NIXL connections start lazily), read the engines' counters, run
+the measured workload, read the counters again, delete the app and wait until its
+engine processes are gone. Modes run one at a time, so they never share the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
+from bench.profiles import Profile
+from bench.workload import Workload
+
+ENGINE_PROCESS = "VLLM::EngineCore"
+COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed", "prompt_tokens_local_hit", "prompt_tokens_external", "requests")
+
+
+@dataclass
+class ModeRun:
+    """What one mode produced."""
+
+    mode: str
+    label: str
+    records: list[TurnRecord]
+    wall_s: float
+    deploy_s: float | None = None
+    warmup_s: float | None = None
+    engines: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Counter deltas over the measured phase, per role ('prefill', 'decode')."""
+    kv_stats: dict[str, Any] | None = None
+    """Difference of the ingress's `/v1/kv/stats` turn counters over the measured phase."""
+
+
+# -- engine counters ---------------------------------------------------------------------
+
+
+def _replica_ids(app: str, deployment: str) -> list[str]:
+    """Serve replica ids of a deployment, from the names of its live actors."""
+    import ray
+
+    try:
+        actors = ray.util.list_named_actors(all_namespaces=True)
+    except Exception:
+        return []
+    ids = []
+    for actor in actors:
+        name = actor.get("name") if isinstance(actor, dict) else actor
+        # SERVE_REPLICA::<app>#<deployment>#<replica id>
+        if name and name.startswith("SERVE_REPLICA::"):
+            parts = name.removeprefix("SERVE_REPLICA::").split("#")
+            if len(parts) == 3 and parts[0] == app and parts[1] == deployment:
+                ids.append(parts[2])
+    return ids
+
+
+def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
+    """Counters summed over the deployment's replicas that answer (None: no deployment)."""
+    from ray import serve
+
+    from app.engine import ReplicaQuery
+
+    try:
+        handle = serve.get_deployment_handle(deployment, app)
+    except Exception:
+        return None
+    seen: dict[str, dict] = {}
+    for rid in _replica_ids(app, deployment) or [None]:
+        try:
+            stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)
+        except Exception:
+            continue
+        seen[stats["replica_id"]] = stats
+    if not seen:
+        return None
+    total = {k: sum(int(s.get(k, 0)) for s in seen.values()) for k in COUNTERS}
+    total["replicas"] = len(seen)
+    return total
+
+
+def _delta(after: dict | None, before: dict | None) -> dict[str, int] | None:
+    if after is None:
+        return None
+    before = before or {}
+    out = {k: after[k] - before.get(k, 0) for k in COUNTERS}
+    out["replicas"] = after.get("replicas", 0)
+    return out
+
+
+def _turn_counts_delta(after: dict | None, before: dict | None) -> dict | None:
+    if not after or "turns" not in after:
+        return None
+    prev = (before or {}).get("turns", {})
+    return {k: v - prev.get(k, 0) for k, v in after["turns"].items() if v - prev.get(k, 0)}
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def engine_pids() -> set[int]:
+    import psutil
+
+    pids = set()
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            names = [p.info.get("name") or ""] + list(p.info.get("cmdline") or [])
+            if any(ENGINE_PROCESS in n for n in names):
+                pids.add(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return pids
+
+
+def wait_engines_gone(ours: set[int], timeout_s: float = 90.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not (ours & engine_pids()):
+            return True
+        time.sleep(1.0)
+    return False
+
+
+# -- runs --------------------------------------------------------------------------------
+
+
+def _measure(url: str, model: str, workload: Workload, label: str, on_turn) -> tuple[list[TurnRecord], float]:
+    prefix = f"bench-{label}-{uuid.uuid4().hex[:8]}"
+    return asyncio.run(run_workload(url, model, workload, session_prefix=prefix, on_turn=on_turn))
+
+
+def run_url(url: str, label: str, workload: Workload, warmup: Workload | None, on_turn, log) -> ModeRun:
+    """Benchmark a deployment that is already serving at `url` (no deploy, no engine
+    counters: only the ingress's turn counters from `/v1/kv/stats`)."""
+    url = url.rstrip("/")
+    asyncio.run(wait_healthy(url, 60))
+    model = asyncio.run(served_model(url))
+    log(f"[{label}] serving {model} at {url}")
+    warmup_s = None
+    if warmup is not None:
+        t = time.perf_counter()
+        _measure(url, model, warmup, label + "-warmup", lambda r: None)
+        warmup_s = time.perf_counter() - t
+    before = asyncio.run(kv_stats(url))
+    records, wall = _measure(url, model, workload, label, on_turn)
+    after = asyncio.run(kv_stats(url))
+    return ModeRun(mode=label, label=label, records=records, wall_s=wall, warmup_s=warmup_s, kv_stats=_turn_counts_delta(after, before))
+
+
+class LocalCluster:
+    """A Ray cluster of this process's own (never an existing one) with Serve's HTTP
+    proxy on 127.0.0.1:`port`."""
+
+    def __init__(self, port: int, env: dict[str, str], num_cpus: int = 8):
+        self.port = port
+        self.env = env
+        self.num_cpus = num_cpus
+
+    def __enter__(self) -> "LocalCluster":
+        import ray
+        from ray import serve
+
+        # Read by the Ray workers this process starts (engine replicas inherit them).
+        for key, value in self.env.items():
+            os.environ[key] = value
+        ray.init(
+            address="local",
+            num_cpus=self.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace="kvturn-bench",
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def run_mode(
+    cluster: LocalCluster,
+    profile: Profile,
+    mode: str,
+    model_path: str,
+    workload: Workload,
+    warmup: Workload | None,
+    on_turn: Callable[[TurnRecord], None],
+    log: Callable[[str], None],
+) -> ModeRun:
+    from ray import serve
+
+    from app.builder import build
+
+    app_name = f"bench-{mode}"
+    cfg = profile.app_config(mode, model_path, app_name)
+    foreign = engine_pids()
+    log(f"[{mode}] deploying {cfg.model_name} ({'P/D' if cfg.disaggregated else 'one engine'})")
+    t = time.perf_counter()
+    serve.run(build(cfg), name=app_name, route_prefix="/")
+    url = cluster.url
+    asyncio.run(wait_healthy(url, 120))
+    deploy_s = time.perf_counter() - t
+    ours = engine_pids() - foreign
+    log(f"[{mode}] running after {deploy_s:.0f} s ({len(ours)} engine processes)")
+    try:
+        model = asyncio.run(served_model(url))
+        warmup_s = None
+        if warmup is not None:
+            t = time.perf_counter()
+            _measure(url, model, warmup, mode + "-warmup", lambda r: None)
+            warmup_s = time.perf_counter() - t
+        time.sleep(1.0)  # engine stats are recorded after each step's outputs
+        roles = (("prefill", "PrefillServer"),) if cfg.disaggregated else ()
+        roles += (("decode", "DecodeServer"),)
+        before = {role: engine_counters(app_name, dep) for role, dep in roles}
+        kv_before = asyncio.run(kv_stats(url))
+        records, wall = _measure(url, model, workload, mode, on_turn)
+        time.sleep(1.0)
+        after = {role: engine_counters(app_name, dep) for role, dep in roles}
+        kv_after = asyncio.run(kv_stats(url))
+    finally:
+        serve.delete(app_name)
+        if not wait_engines_gone(ours):
+            log(f"[{mode}] warning: engine processes {sorted(ours & engine_pids())} still alive after delete")
+    engines = {role: d for role in after if (d := _delta(after[role], before[role])) is not None}
+    return ModeRun(
+        mode=mode,
+        label=mode,
+        records=records,
+        wall_s=wall,
+        deploy_s=deploy_s,
+        warmup_s=warmup_s,
+        engines=engines,
+        kv_stats=_turn_counts_delta(kv_after, kv_before),
+    )
+
+
+def resolve_model(profile: Profile) -> str:
+    """A model path or id the app accepts; builds the benchmark models when needed."""
+    from app.config import DEFAULT_MODEL
+    from bench.models import SHAPES, ensure_model, ensure_tokenizer_source
+
+    if profile.model in SHAPES:
+        return str(ensure_model(profile.model))
+    if Path(profile.model).expanduser().resolve() == DEFAULT_MODEL.resolve():
+        return str(ensure_tokenizer_source())
+    return profile.model
