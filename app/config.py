@@ -74,8 +74,10 @@ class TransferConfig(_Strict):
         30.0,
         gt=0,
         description=(
-            "A prefill leg that pulls history and has not answered by then is aborted and "
-            "recomputed without the pull (a failed NIXL handshake can otherwise stall it)."
+            "What a pull may add to a prefill leg. A leg that pulls history gets this plus twice "
+            "the compute expected for its new tokens and those of legs ahead of it (measured "
+            "on recent legs); past that it is aborted and recomputed without the pull (a failed "
+            "NIXL handshake can otherwise stall it)."
         ),
     )
     side_channel_base_port: int = Field(

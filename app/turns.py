@@ -17,6 +17,7 @@ with fakes.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -93,6 +94,36 @@ class TurnResult:
 TurnEvent = Delta | TurnResult
 
 
+class PrefillPace:
+    """How long prefill legs take here, to give a leg that pulls history a deadline that
+    covers its compute: `pull_timeout_s` bounds what the pull adds, not the whole leg.
+
+    Tracks seconds per computed prompt token of recent legs (a moving average over this
+    ingress's legs, queueing included) and the tokens that legs in flight will compute."""
+
+    MIN_TOKENS = 64
+    """Legs computing fewer tokens are mostly fixed cost; they don't update the pace."""
+
+    def __init__(self, weight: float = 0.3):
+        self._weight = weight
+        self.seconds_per_token: float | None = None
+        self.tokens_in_flight = 0
+
+    def observe(self, computed_tokens: int, seconds: float) -> None:
+        if computed_tokens < self.MIN_TOKENS or seconds <= 0:
+            return
+        pace = seconds / computed_tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = pace if old is None else old + self._weight * (pace - old)
+
+    def deadline(self, new_tokens: int, base_s: float) -> float:
+        """Seconds a leg computing `new_tokens` (started now) may take: `base_s` plus
+        twice the expected compute of it and of the legs ahead of it."""
+        if self.seconds_per_token is None:
+            return base_s
+        return base_s + 2.0 * self.seconds_per_token * (self.tokens_in_flight + new_tokens)
+
+
 class Turns:
     """Runs turns. One instance per ingress replica; safe for concurrent turns."""
 
@@ -102,6 +133,7 @@ class Turns:
         self._store = store if cfg.mode is not Mode.ONEWAY else None
         self._tok = tokenizer
         self.counts: Counter[str] = Counter()
+        self.pace = PrefillPace()
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
         session_id, prompt_ids, claim = await self._resolve_session(turn)
@@ -237,20 +269,29 @@ class Turns:
         """Run the prefill leg. Returns params for decode (None: decode computes all),
         the prompt tokens prefill did not compute, and whether the offered history was read.
 
-        A leg that pulls history gets `transfer.pull_timeout_s`; past it the call is
-        cancelled (the server aborts the engine request) and prefill recomputes."""
+        A leg that pulls history gets a deadline (`PrefillPace.deadline`: the pull's
+        `transfer.pull_timeout_s` on top of the compute expected here); past it the call
+        is cancelled (the server aborts the engine request) and prefill recomputes."""
         request = EngineRequest(
             request_id=turn.request_id + "-prefill",
             prompt_token_ids=prompt_ids,
             sampling=Sampling(max_tokens=1, temperature=0.0),
             kv_params=prefill_params(history),
         )
+        new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
+        timeout = None
+        if history is not None:
+            timeout = self.pace.deadline(new_tokens, self._cfg.transfer.pull_timeout_s)
+        self.pace.tokens_in_flight += new_tokens
+        started = time.monotonic()
         try:
-            timeout = self._cfg.transfer.pull_timeout_s if history is not None else None
             final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
         except asyncio.TimeoutError:
             self.counts["pull_timeout"] += 1
+            self.pace.tokens_in_flight += len(prompt_ids) - new_tokens  # the retry computes it all
+            new_tokens = len(prompt_ids)
             retry = EngineRequest(request.request_id + "-recompute", prompt_ids, request.sampling, prefill_params(None))
+            started = time.monotonic()
             final, _ = await self._clients.prefill(retry)
             history = None
             pull_ok = False
@@ -259,6 +300,9 @@ class Turns:
             if not pull_ok:
                 # Prefill's recompute policy took over: the pull failed.
                 self.counts["pull_short"] += 1
+        finally:
+            self.pace.tokens_in_flight -= new_tokens
+        self.pace.observe(len(prompt_ids) - final.num_cached_tokens, time.monotonic() - started)
         try:
             return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:

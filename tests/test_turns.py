@@ -24,7 +24,7 @@ import pytest
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
-from app.turns import Delta, TurnInput, TurnResult, Turns
+from app.turns import Delta, PrefillPace, TurnInput, TurnResult, Turns
 from connector.handle import first_leg_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 
@@ -706,3 +706,79 @@ async def test_turn_counters(model_dir):
     assert counts["miss_no_conversation"] == 1
     assert counts["handle_used"] == 1
     assert counts["prompt_tokens"] == len(enc(P1)) + len(enc(P1)) + MAX_TOKENS + len(enc(USER2))
+
+
+# -- pulls that stall, prefill that is slow -----------------------------------------------------
+
+
+class PacedEngines(FakeEngines):
+    """Prefill takes `seconds_per_token` per computed token; a pull can be made to hang
+    (as a NIXL handshake with a dead decode engine does)."""
+
+    def __init__(self, seconds_per_token: float = 0.0, *, stall_pulls: bool = False):
+        super().__init__()
+        self.seconds_per_token = seconds_per_token
+        self.stall_pulls = stall_pulls
+        self.cancelled = 0
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        kv = request.kv_params or {}
+        pulls = kv.get("remote_engine_id") is not None
+        if pulls and self.stall_pulls:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        chunk, replica = await super().prefill(request)
+        await asyncio.sleep(self.seconds_per_token * (len(request.prompt_token_ids) - chunk.num_cached_tokens))
+        return chunk, replica
+
+
+LONG_SYSTEM = "SYSTEM: " + "you answer questions about the weather and nothing else. " * 4 + "\n"
+
+
+async def test_stalled_pull_is_cut_and_recomputed(model_dir):
+    rig = Rig(model_dir, PacedEngines(stall_pulls=True), **{"transfer.pull_timeout_s": 0.05})
+    text1, _, _ = await rig.turn(text=P1)
+    text2 = P1 + text1 + USER2
+    out2, ids2, r2 = await rig.turn(text=text2)
+    assert (out2, ids2) == expected_answer(rig.engines, len(r2.prompt_token_ids))
+    assert rig.engines.cancelled == 1
+    assert rig.turns.counts["pull_timeout"] == 1
+    assert r2.cached_tokens == 0 and r2.reused_from_decode == 0
+    # The retry asked for no pull; the decode engine's pinned blocks are settled as failed.
+    assert rig.engines.prefill_requests[-1].kv_params == first_leg_params()
+    assert rig.engines.prefill_requests[-1].request_id.endswith("-recompute")
+    assert rig.store.ended[-1][1] is TurnOutcome.FAILED
+    assert rig.turns.pace.tokens_in_flight == 0
+
+
+async def test_slow_prefill_that_pulls_is_not_cut(model_dir):
+    # Far below the compute of the new tokens: only the measured pace lets the pull finish.
+    rig = Rig(model_dir, PacedEngines(0.003), max_model_len=1024, **{"transfer.pull_timeout_s": 0.01})
+    p1 = LONG_SYSTEM + "USER: hello there\nASSISTANT:"
+    text1, _, r1 = await rig.turn(text=p1)
+    assert r1.prompt_tokens >= PrefillPace.MIN_TOKENS
+    assert rig.turns.pace.seconds_per_token >= 0.003
+    text2 = p1 + text1 + USER2 + "and please tell me about tomorrow too"
+    _, _, r2 = await rig.turn(text=text2)
+    new_tokens = r2.prompt_tokens - r2.cached_tokens
+    assert new_tokens * 0.003 > 0.01  # the leg outlasts pull_timeout_s on its own
+    assert rig.turns.counts["pull_timeout"] == 0
+    assert r2.reused_from_decode > 0 and r2.cached_tokens == r2.reused_from_decode
+    assert rig.turns.pace.tokens_in_flight == 0
+
+
+def test_prefill_pace_deadline():
+    pace = PrefillPace(weight=0.5)
+    assert pace.deadline(1000, 30.0) == 30.0  # nothing measured yet
+    pace.observe(10, 5.0)  # too few tokens to tell
+    assert pace.seconds_per_token is None
+    pace.observe(1000, 2.0)
+    assert pace.seconds_per_token == pytest.approx(0.002)
+    pace.observe(1000, 4.0)
+    assert pace.seconds_per_token == pytest.approx(0.003)
+    assert pace.deadline(1000, 30.0) == pytest.approx(30.0 + 2 * 0.003 * 1000)
+    pace.tokens_in_flight = 500  # legs ahead of this one
+    assert pace.deadline(1000, 30.0) == pytest.approx(30.0 + 2 * 0.003 * 1500)
