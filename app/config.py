@@ -70,6 +70,15 @@ class TransferConfig(_Strict):
     decoder_kv_blocks_ttl_s: float = Field(
         480.0, gt=0, description="How long a decode engine pins a finished turn's blocks for the next pull."
     )
+    idle_poll_ms: float = Field(
+        20.0,
+        ge=0,
+        description=(
+            "While an engine holds finished turns' blocks for transfer and has nothing to compute, "
+            "it checks transfer completions this often instead of spinning every millisecond "
+            "(new requests still wake it at once). 0: vLLM's own loop."
+        ),
+    )
     pull_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -224,6 +224,9 @@ class VLLMEngine:
 
         for key, value in self._cfg.env.items():
             os.environ[key] = value
+        if self._transfer and self._cfg.transfer.idle_poll_ms > 0:
+            # Read by connector.vllm_plugin in the engine-core process.
+            os.environ["KVTURN_IDLE_POLL_MS"] = str(self._cfg.transfer.idle_poll_ms)
         if self._transfer:
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
             port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)

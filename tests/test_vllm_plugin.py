@@ -1,0 +1,116 @@
+"""`connector.vllm_plugin`: the engine core waits for requests instead of spinning when
+only delayed block frees are left. Checked on a stand-in with vLLM's step hook."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from importlib.metadata import entry_points
+
+import pytest
+
+from connector import vllm_plugin
+
+
+class FakeScheduler:
+    def __init__(self, running=0, waiting=0):
+        self.running, self.waiting = running, waiting
+
+    def get_request_counts(self):
+        return self.running, self.waiting
+
+
+class FakeCore:
+    """Has what the patch touches: the step hook, the scheduler, the input queue."""
+
+    def __init__(self, scheduler, executed=False):
+        self.scheduler = scheduler
+        self.executed = executed
+        self.input_queue: queue.Queue = queue.Queue()
+        self.handled: list[tuple] = []
+        self.steps = 0
+
+    def _process_engine_step(self) -> bool:
+        self.steps += 1
+        return self.executed
+
+    def _handle_client_request(self, *request):
+        self.handled.append(request)
+
+
+@pytest.fixture
+def core_class():
+    class Core(FakeCore):
+        pass
+
+    return Core
+
+
+def test_entry_point_is_registered():
+    names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert names.get("kvturn_idle_poll") == "connector.vllm_plugin:register"
+
+
+def test_register_is_inert_without_the_variable(monkeypatch):
+    from vllm.v1.engine.core import EngineCoreProc as EngineCore
+
+    monkeypatch.delenv(vllm_plugin.ENV_IDLE_POLL_MS, raising=False)
+    before = EngineCore._process_engine_step
+    vllm_plugin.register()
+    assert EngineCore._process_engine_step is before
+
+
+def test_idle_engine_waits_the_interval(core_class):
+    vllm_plugin.patch_engine_core(0.2, core_class)
+    core = core_class(FakeScheduler())
+    started = time.monotonic()
+    assert core._process_engine_step() is False
+    assert time.monotonic() - started >= 0.19
+    assert core.steps == 1 and core.handled == []
+
+
+def test_new_request_wakes_the_idle_engine(core_class):
+    vllm_plugin.patch_engine_core(5.0, core_class)
+    core = core_class(FakeScheduler())
+    threading.Timer(0.05, core.input_queue.put, args=(("ADD", "req-1"),)).start()
+    started = time.monotonic()
+    core._process_engine_step()
+    assert time.monotonic() - started < 2.0
+    assert core.handled == [("ADD", "req-1")]
+
+
+@pytest.mark.parametrize("running, waiting, executed", [(1, 0, False), (0, 1, False), (0, 0, True)])
+def test_engine_with_work_does_not_wait(core_class, running, waiting, executed):
+    # waiting includes requests whose KV is still being pulled: they keep the fast loop.
+    vllm_plugin.patch_engine_core(5.0, core_class)
+    core = core_class(FakeScheduler(running, waiting), executed=executed)
+    started = time.monotonic()
+    assert core._process_engine_step() is executed
+    assert time.monotonic() - started < 1.0
+
+
+def test_patching_twice_updates_the_interval(core_class):
+    vllm_plugin.patch_engine_core(5.0, core_class)
+    patched = core_class._process_engine_step
+    vllm_plugin.patch_engine_core(0.01, core_class)
+    assert core_class._process_engine_step is patched
+    core = core_class(FakeScheduler())
+    started = time.monotonic()
+    core._process_engine_step()
+    assert core.steps == 1 and time.monotonic() - started < 1.0
+
+
+def test_register_patches_the_engine_core_when_enabled():
+    # In a fresh interpreter, as vLLM's engine-core process loads it.
+    import subprocess
+    import sys
+
+    code = (
+        "from connector import vllm_plugin; vllm_plugin.register(); "
+        "from vllm.v1.engine.core import EngineCoreProc as C; "
+        "print(C._process_engine_step._kvturn_idle_poll)"
+    )
+    env = {**__import__("os").environ, vllm_plugin.ENV_IDLE_POLL_MS: "25"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0.025"
