@@ -79,6 +79,15 @@ class TransferConfig(_Strict):
             "(new requests still wake it at once). 0: vLLM's own loop."
         ),
     )
+    nixl_progress_poll_ms: float = Field(
+        5.0,
+        ge=0,
+        description=(
+            "Poll timeout of NIXL's UCX progress thread in each engine. It wakes on UCX events "
+            "anyway; NIXL's Python agent sets 0, which busy-polls a full core per engine. "
+            "0: NIXL's own setting."
+        ),
+    )
     pull_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -224,9 +224,10 @@ class VLLMEngine:
 
         for key, value in self._cfg.env.items():
             os.environ[key] = value
-        if self._transfer and self._cfg.transfer.idle_poll_ms > 0:
-            # Read by connector.vllm_plugin in the engine-core process.
+        if self._transfer:
+            # Read by connector.vllm_plugin in the engine's processes (0: leave vLLM/NIXL as is).
             os.environ["KVTURN_IDLE_POLL_MS"] = str(self._cfg.transfer.idle_poll_ms)
+            os.environ["KVTURN_NIXL_PROGRESS_DELAY_US"] = str(int(self._cfg.transfer.nixl_progress_poll_ms * 1000))
         if self._transfer:
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
             port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)

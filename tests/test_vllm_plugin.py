@@ -114,3 +114,77 @@ def test_register_patches_the_engine_core_when_enabled():
     env = {**__import__("os").environ, vllm_plugin.ENV_IDLE_POLL_MS: "25"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "0.025"
+
+
+# -- NIXL's progress thread ------------------------------------------------------------------
+
+
+class FakeConfig:
+    def __init__(self):
+        self.pthrDelay = 0
+        self.useProgThread = True
+
+
+class FakeBindings:
+    nixlAgentConfig = FakeConfig
+    other = "passed through"
+
+
+class FakeApi:
+    nixlBind = FakeBindings
+
+
+def test_agent_config_delay_has_a_floor():
+    api = FakeApi()
+    vllm_plugin.patch_nixl_progress_delay(5000, api)
+    config = api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0  # what NIXL's Python agent sets
+    assert config.pthrDelay == 5000
+    config.pthrDelay = 20000
+    assert config.pthrDelay == 20000
+    config.useProgThread = False
+    assert config.useProgThread is False
+    assert api.nixlBind.other == "passed through"
+    vllm_plugin.patch_nixl_progress_delay(1000, api)  # again: updates, never wraps twice
+    assert isinstance(api.nixlBind._inner, type) and api.nixlBind._inner is FakeBindings
+    config = api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0
+    assert config.pthrDelay == 1000
+
+
+IDLE_AGENTS = """
+import resource, sys, time, torch
+from connector import vllm_plugin
+vllm_plugin.register()
+from nixl._api import nixl_agent, nixl_agent_config
+a, b = nixl_agent("A", nixl_agent_config(num_threads=4)), nixl_agent("B", nixl_agent_config(num_threads=4))
+src, dst = torch.arange(4096, dtype=torch.int32), torch.zeros(4096, dtype=torch.int32)
+a.register_memory(src); b.register_memory(dst)
+b.add_remote_agent(a.get_agent_metadata()); a.add_remote_agent(b.get_agent_metadata())
+h = b.initialize_xfer("READ", b.get_xfer_descs(dst), a.get_xfer_descs(src), "A", b"done")
+b.transfer(h)
+deadline = time.monotonic() + 30
+while b.check_xfer_state(h) not in ("DONE", "ERR") and time.monotonic() < deadline:
+    pass
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+c0 = cpu(); time.sleep(2.0)
+print(b.check_xfer_state(h), bool(torch.equal(src, dst)), round(cpu() - c0, 3))
+"""
+
+
+def test_idle_nixl_agents_do_not_spin():
+    # Real NIXL agents over UCX on loopback, in a fresh interpreter as in an engine's
+    # worker: the transfer completes, and two idle agents use a small fraction of a core
+    # (unpatched, each progress thread takes a full core).
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US: "5000", "UCX_NET_DEVICES": "lo"}
+    out = subprocess.run([sys.executable, "-c", IDLE_AGENTS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    state, copied, cpu_seconds = out.stdout.split()[-3:]
+    assert state == "DONE" and copied == "True"
+    assert float(cpu_seconds) < 0.5  # over 2 s of idling
