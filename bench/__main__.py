@@ -30,9 +30,11 @@ PROFILE_HELP = """\
 profiles:
   cpu    (default) models/bench-qwen3: Qwen3 with 12 layers, hidden 768, 12 heads / 4 KV
          heads, head_dim 64, intermediate 2048, random weights (load_format=dummy),
-         float32, eager; 1 GiB KV cache per engine. 2 sessions x 5 turns, concurrency 2:
-         system ~600 tokens, tool results ~2200 tokens, answers 32 tokens, histories up
-         to ~8k tokens. Prefill prefix caching on. About 10-15 minutes on 2 cores.
+         float32 (bfloat16 is far slower on CPUs without AVX512-BF16), eager; 1 GiB KV
+         cache per engine; OpenMP threads per engine: half the cores, unbound (--threads).
+         2 sessions x 4 turns, concurrency 2: system ~600 tokens, tool results ~1800
+         tokens, answers 32 tokens, histories up to ~6k tokens (seed 1).
+         About 15 minutes on 2 cores.
   gpu    One accelerator (e.g. an H200) shared by prefill and decode (num_gpus 0.5 and
          gpu_memory_utilization 0.45 each; the single engine gets the same share).
          models/bench-qwen3-8b: Qwen3-8B's architecture (36 layers, hidden 4096, 32/8
@@ -41,8 +43,13 @@ profiles:
          concurrency 8: system ~2000, tool results ~4400, answers 128 tokens; histories
          up to ~24k tokens. KV moves over NIXL/UCX from GPU memory (no UCX_NET_DEVICES
          set: pass --env UCX_NET_DEVICES=... to pin one).
-  smoke  The embedded tiny model, 2 sessions x 2 turns of short texts; prefill prefix
-         caching off so that every history token bidir reuses on prefill is pulled.
+  smoke  The embedded tiny model, 2 sessions x 2 turns of short texts.
+
+Prefill prefix caching is off in every profile (--prefill-prefix-caching turns it on):
+the benchmark has one prefill engine, whose own cache would keep every session's last
+prompt, so `oneway` would not recompute the history and `bidir` would pull nothing.
+With many prefill replicas and least-loaded routing, a turn rarely finds its session's
+history in the prefill replica it lands on.
 
 The benchmark models share the tiny model's tokenizer (its vocabulary is small, so the
 embedding and LM head are too); they are written under models/ on first use.
@@ -83,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
     e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
+    e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
+    e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: half the cores)")
     e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,6 +108,8 @@ def _profile_from(args: argparse.Namespace):
     from dataclasses import replace
 
     env = dict(prof.env)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -113,6 +124,7 @@ def _profile_from(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
         prefill_prefix_caching=args.prefill_prefix_caching,
+        pull_timeout_s=args.pull_timeout_s,
         env=env,
     )
 

@@ -1,8 +1,8 @@
 """Benchmark profiles: the model, engine settings and workload of a run.
 
 * `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
-  engines; 2 sessions x 5 turns whose history grows to about 8k tokens, so prefill
-  dominates. About 10-15 minutes on 2 cores for the three modes.
+  engines, one OpenMP thread each; 2 sessions x 4 turns whose history grows to about 6k
+  tokens, so prefill dominates. About 15 minutes on 2 cores for the three modes.
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
   about 24k tokens.
@@ -33,13 +33,20 @@ class Profile:
     enforce_eager: bool = True
     max_model_len: int = 12288
     block_size: int = 32
-    prefill_prefix_caching: bool = True
+    prefill_prefix_caching: bool = False
+    """Off by default: with one prefill engine serving every session, its own cache would
+    keep each session's previous prompt, and `oneway` would stop recomputing the history
+    (and `bidir` would find nothing to pull). In a fleet of prefill replicas under
+    least-loaded routing a turn rarely lands where the session's last one did."""
     kv_cache_bytes: int | None = 1 * GiB
     """Per engine; None: vLLM's own sizing."""
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     recompute_threshold_tokens: int = 64
+    pull_timeout_s: float | None = None
+    """The app's `transfer.pull_timeout_s` (None: the app's default). The app adds the
+    compute it expects for the leg's new tokens, so the default suits CPU runs too."""
     kv_buffer_device: str | None = "cpu"
     env: dict[str, str] = field(default_factory=dict)
 
@@ -75,6 +82,7 @@ class Profile:
             "transfer": {
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
+                **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
             },
             "app_name": app_name,
             "env": dict(self.env),
@@ -82,13 +90,17 @@ class Profile:
         return AppConfig.model_validate(tree)
 
 
-def _cpu_env() -> dict[str, str]:
-    # Every engine's OpenMP team spans all cores: vLLM's automatic binding would give the
-    # single engine fewer threads than a P/D engine on a small machine.
-    n = os.cpu_count() or 1
+def cpu_env(threads: int | None = None) -> dict[str, str]:
+    """Engine environment on CPU: NIXL over loopback, and `threads` OpenMP threads per
+    engine, unbound (default: half the cores, so that prefill and decode each have their
+    own). Two engines whose OpenMP teams share cores slow each other's every step by
+    orders of magnitude; and vLLM's automatic binding would give the single engine
+    fewer threads than a P/D engine. Every mode's engines get the same count."""
+    threads = threads or max(1, (os.cpu_count() or 2) // 2)
     return {
         "UCX_NET_DEVICES": "lo",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}" if n > 1 else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(threads),
     }
 
 
@@ -97,12 +109,14 @@ def profile(name: str) -> Profile:
         return Profile(
             name="cpu",
             model="bench-qwen3",
-            workload=WorkloadSpec(sessions=2, turns=5, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=2200, answer_tokens=32, tool_prob=0.8),
+            # Seed 1: every later turn of both sessions is a tool result, so both
+            # histories reach ~6k tokens; the run stays within ~15 minutes on 2 cores.
+            workload=WorkloadSpec(sessions=2, turns=4, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=1800, answer_tokens=32, tool_prob=0.8, seed=1),
             dtype="float32",
             enforce_eager=True,
             max_model_len=12288,
             kv_cache_bytes=1 * GiB,
-            env=_cpu_env(),
+            env=cpu_env(),
         )
     if name == "gpu":
         return Profile(
@@ -130,11 +144,9 @@ def profile(name: str) -> Profile:
             dtype="float32",
             enforce_eager=True,
             max_model_len=2048,
-            # Off, so that every history token prefill reuses in bidir is a pulled one.
-            prefill_prefix_caching=False,
             kv_cache_bytes=128 * MiB,
             recompute_threshold_tokens=32,
-            env=_cpu_env(),
+            env=cpu_env(),
         )
     raise ValueError(f"unknown profile {name!r} (cpu, gpu, smoke)")
 

@@ -165,6 +165,13 @@ def _i(x: int | float | None) -> str:
     return "-" if x is None else f"{round(x):,}"
 
 
+def _pulls(counts: dict | None) -> str:
+    """Ingress turn counters: handles offered to prefill, and prefill legs that timed out."""
+    if not counts or not counts.get("handle_used"):
+        return "-"
+    return f"{counts.get('handle_used', 0)} / {counts.get('pull_timeout', 0)}"
+
+
 def markdown(results: dict) -> str:
     """Two tables: TTFT per turn across modes (with ratios), then per mode and turn."""
     modes = results["modes"]
@@ -177,6 +184,15 @@ def markdown(results: dict) -> str:
         f"{w.get('sessions')} sessions x {w.get('turns')} turns (concurrency {w.get('concurrency')}), "
         f"answers {w.get('answer_tokens')} tokens, tool results ~{w.get('tool_tokens')} tokens."
     )
+    e = results.get("engine") or {}
+    if e:
+        threads = (e.get("env") or {}).get("OMP_NUM_THREADS")
+        lines.append(
+            f"Engines: {e.get('dtype')}, {'eager' if e.get('enforce_eager') else 'compiled'}, "
+            f"prefill prefix caching {'on' if e.get('prefill_prefix_caching') else 'off'}"
+            + (f", {threads} CPU thread(s) each" if threads else "")
+            + f"; host: {results.get('host', {}).get('cpus')} CPUs."
+        )
     lines.append("")
     head = ["turn", "prompt tokens"] + [f"TTFT p50 {m} (s)" for m in labels]
     ratio_keys = [k for k in results.get("ratios", {})]
@@ -209,7 +225,7 @@ def markdown(results: dict) -> str:
                 + " |"
             )
     lines.append("")
-    head = ["mode", "wall (s)", "deploy (s)", "out tok/s (all)", "prefill pulled", "prefill local hit", "prefill computed", "decode pulled", "errors"]
+    head = ["mode", "wall (s)", "deploy (s)", "out tok/s (all)", "prefill pulled", "prefill local hit", "prefill computed", "decode pulled", "pulls used / timed out", "errors"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for m in labels:
@@ -226,6 +242,7 @@ def markdown(results: dict) -> str:
                  _i((dec if single else pre)["prompt_tokens_local_hit"]) if (pre or dec) else "-",
                  _i((dec if single else pre)["prompt_tokens_computed"]) if (pre or dec) else "-",
                  _i(dec["prompt_tokens_external"]) if dec and not single else "-",
+                 _pulls(mode.get("kv_stats")),
                  str(o["errors"])]
             )
             + " |"
@@ -235,6 +252,6 @@ def markdown(results: dict) -> str:
         "TTFT: request sent to first content chunk. cached: prompt tokens the first engine did not compute "
         "(usage.prompt_tokens_details.cached_tokens); from decode: history offered to prefill from the decode "
         "engine (kvturn.reused_from_decode). Engine columns count prompt tokens over the measured phase; for "
-        "single they are the one engine's."
+        "single they are the one engine's. Token columns per turn are sums over the turn's requests."
     )
     return "\n".join(lines)

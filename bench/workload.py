@@ -161,9 +161,11 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
     sessions = []
     for s in range(spec.sessions):
         rng = random.Random(f"kvturn-bench/{spec.seed}/{tag}/session/{s}")
+        # Drawn apart from the texts, so the same seed gives the same kinds at any length.
+        kinds = random.Random(f"kvturn-bench/{spec.seed}/{tag}/kinds/{s}")
         turns = []
         for t in range(spec.turns):
-            if t > 0 and rng.random() < spec.tool_prob:
+            if t > 0 and kinds.random() < spec.tool_prob:
                 name = rng.choice(_NAMES)
                 text = tool_output(rng, spec.tool_tokens, counter)
                 turns.append(TurnPlan("tool", ({"role": "tool", "content": f"[{name}] {text}"},), counter.count(text)))
