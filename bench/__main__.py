@@ -32,9 +32,9 @@ profiles:
          heads, head_dim 64, intermediate 2048, random weights (load_format=dummy),
          float32 (bfloat16 is far slower on CPUs without AVX512-BF16), eager; 1 GiB KV
          cache per engine; OpenMP threads per engine: half the cores, unbound (--threads).
-         2 sessions x 4 turns, concurrency 2: system ~600 tokens, tool results ~1800
-         tokens, answers 32 tokens, histories up to ~6k tokens (seed 1).
-         About 15 minutes on 2 cores.
+         2 sessions x 6 turns, concurrency 2: system ~600 tokens, tool results ~1400
+         tokens, answers 32 tokens, histories up to ~8k tokens (seed 4).
+         About 12 minutes on 2 cores.
   gpu    One accelerator (e.g. an H200) shared by prefill and decode (num_gpus 0.5 and
          gpu_memory_utilization 0.45 each; the single engine gets the same share).
          models/bench-qwen3-8b: Qwen3-8B's architecture (36 layers, hidden 4096, 32/8

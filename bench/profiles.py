@@ -1,8 +1,8 @@
 """Benchmark profiles: the model, engine settings and workload of a run.
 
 * `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
-  engines, one OpenMP thread each; 2 sessions x 4 turns whose history grows to about 6k
-  tokens, so prefill dominates. About 15 minutes on 2 cores for the three modes.
+  engines, one OpenMP thread each; 2 sessions x 6 turns whose history grows to about 8k
+  tokens, so prefill dominates. About 12 minutes on 2 cores for the three modes.
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
   about 24k tokens.
@@ -109,9 +109,9 @@ def profile(name: str) -> Profile:
         return Profile(
             name="cpu",
             model="bench-qwen3",
-            # Seed 1: every later turn of both sessions is a tool result, so both
-            # histories reach ~6k tokens; the run stays within ~15 minutes on 2 cores.
-            workload=WorkloadSpec(sessions=2, turns=4, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=1800, answer_tokens=32, tool_prob=0.8, seed=1),
+            # Seed 4: every later turn of both sessions is a tool result, so both
+            # histories reach ~8k tokens; the run takes about 12 minutes on 2 cores.
+            workload=WorkloadSpec(sessions=2, turns=6, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=1400, answer_tokens=32, tool_prob=0.8, seed=4),
             dtype="float32",
             enforce_eager=True,
             max_model_len=12288,
