@@ -7,6 +7,7 @@ place (`_error_response`); clients never reach the engines' transfer machinery.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig
-from app.engine import EngineChunk, EngineRequest, Sampling
+from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
 from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.routing import replica_alive
 from app.turns import Delta, TurnInput, TurnResult, Turns
@@ -29,6 +30,10 @@ from connector.actor import StoreClient
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
+
+
+async def _awaitable(response):
+    return await response
 
 
 def _error_response(exc: Exception) -> JSONResponse:
@@ -120,7 +125,20 @@ class Ingress:
     # -- HTTP ----------------------------------------------------------------------------
 
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 once an engine replica of each role answers (within 5 s), 503 before:
+        load balancers and scripts can wait on it while the engines start."""
+        engines = {"decode": self._decode}
+        if self._prefill is not None:
+            engines["prefill"] = self._prefill
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_awaitable(h.stats.remote(ReplicaQuery())), 5.0) for h in engines.values()),
+            return_exceptions=True,
+        )
+        waiting = [role for role, r in zip(engines, results) if isinstance(r, BaseException)]
+        if waiting:
+            detail = f"engines not ready: {', '.join(sorted(waiting))}"
+            return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
         return {"status": "ok"}
 
     @api.get("/v1/models")
