@@ -279,6 +279,7 @@ class Ingress:
             "reused_from_decode": result.reused_from_decode,
             "miss_reason": result.miss_reason,
             "spliced": result.spliced,
+            "timings": result.timings,
         }
 
     async def _collect(self, kind: str, body, turn: TurnInput) -> dict:

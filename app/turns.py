@@ -89,6 +89,10 @@ class TurnResult:
     miss_reason: str | None
     spliced: bool
     decode_replica: str | None
+    timings: dict[str, float] | None = None
+    """Where the time to first token went, in seconds from the turn's start:
+    `session_s` (session and handle resolved), `prefill_s` (prefill leg done, P/D only),
+    `first_token_s` (first output from decode)."""
 
 
 TurnEvent = Delta | TurnResult
@@ -136,6 +140,8 @@ class Turns:
         self.pace = PrefillPace()
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
+        started = time.monotonic()
+        timings: dict[str, float] = {}
         session_id, prompt_ids, claim = await self._resolve_session(turn)
         outcome, new_conv = TurnOutcome.UNUSED, None
         try:
@@ -143,9 +149,11 @@ class Turns:
             prompt_ids, spliced = self._prompt_ids(turn, prompt_ids, conv)
             sampling = self._fit(turn, prompt_ids)
             history, miss = await self._verified_history(claim, prompt_ids)
+            timings["session_s"] = time.monotonic() - started
             decode_params, cached, pulled = None, 0, 0
             if self._cfg.disaggregated:
                 decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history)
+                timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
                     # pinned until their TTL: settle it as failed, not pulled.
@@ -162,6 +170,8 @@ class Turns:
             texts: list[str] = []
             final, replica = None, None
             async for chunk, replica in self._decode(request):
+                if "first_token_s" not in timings:
+                    timings["first_token_s"] = time.monotonic() - started
                 generated.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if chunk.token_ids or chunk.text:
@@ -187,6 +197,7 @@ class Turns:
                 miss_reason=miss,
                 spliced=spliced,
                 decode_replica=replica,
+                timings={k: round(v, 4) for k, v in timings.items()},
             )
         except BaseException:
             if outcome is TurnOutcome.PULLED or (claim and claim.handle):

@@ -782,3 +782,18 @@ def test_prefill_pace_deadline():
     assert pace.deadline(1000, 30.0) == pytest.approx(30.0 + 2 * 0.003 * 1000)
     pace.tokens_in_flight = 500  # legs ahead of this one
     assert pace.deadline(1000, 30.0) == pytest.approx(30.0 + 2 * 0.003 * 1500)
+
+
+async def test_turn_reports_where_the_time_went(model_dir):
+    rig = Rig(model_dir, PacedEngines(0.001), max_model_len=1024)
+    _, _, r = await rig.turn(text=LONG_SYSTEM + "USER: hi\nASSISTANT:")
+    t = r.timings
+    assert set(t) == {"session_s", "prefill_s", "first_token_s"}
+    assert 0 <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
+    assert t["prefill_s"] - t["session_s"] >= 0.001 * r.prompt_tokens  # the paced prefill leg
+
+
+async def test_single_mode_reports_no_prefill_leg(model_dir):
+    rig = Rig(model_dir, mode="single")
+    _, _, r = await rig.turn(text=P1)
+    assert set(r.timings) == {"session_s", "first_token_s"}

@@ -44,6 +44,8 @@ def _run_chat(apps, session, stream, via_handle=False, turns=3):
         else:
             assert reply.kvturn["spliced"], "token-in/token-out should reuse the generated ids"
             _turn_checks(apps, reply, before, history_len)
+        t = reply.kvturn["timings"]
+        assert 0 <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
         history_len = len(reply.prompt_token_ids) + len(reply.token_ids) - 1
         replies.append(reply)
         messages = messages + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": TOOL_RESULT * 2}]
