@@ -39,6 +39,8 @@ class TurnRecord:
     reused_from_decode: int | None = None
     miss_reason: str | None = None
     spliced: bool | None = None
+    timings: dict | None = None
+    """The app's breakdown of the turn (kvturn.timings): session_s, prefill_s, first_token_s."""
     finish_reason: str | None = None
     answer_chars: int = 0
 
@@ -110,6 +112,7 @@ async def chat_turn(
                 record.reused_from_decode = kv.get("reused_from_decode")
                 record.miss_reason = kv.get("miss_reason")
                 record.spliced = kv.get("spliced")
+                record.timings = kv.get("timings")
         if not done:
             raise TurnFailed("stream ended without [DONE]")
     end = time.perf_counter()

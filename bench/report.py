@@ -32,6 +32,10 @@ def _sum(values: Iterable[int | None]) -> int:
     return sum(v for v in values if v is not None)
 
 
+def _timings(records: list, key: str) -> list[float]:
+    return [r.timings[key] for r in records if r.timings and r.timings.get(key) is not None]
+
+
 def turn_stats(records: list) -> dict[str, Any]:
     """Statistics of a group of requests (one turn index of one mode, or all of a mode)."""
     ok = [r for r in records if r.ok]
@@ -58,6 +62,9 @@ def turn_stats(records: list) -> dict[str, Any]:
         "reused_from_decode": _sum(r.reused_from_decode for r in ok),
         "completion_tokens": _sum(r.completion_tokens for r in ok),
         "miss_reasons": sorted({r.miss_reason for r in ok if r.miss_reason}),
+        # The app's own breakdown (mean seconds from the turn's start at the ingress).
+        "app_prefill_done_mean_s": _mean(_timings(ok, "prefill_s")),
+        "app_first_token_mean_s": _mean(_timings(ok, "first_token_s")),
     }
 
 
@@ -210,7 +217,7 @@ def markdown(results: dict) -> str:
         row += [_f(results["ratios"][k]["later_turns_ttft_p50"]) + "x" for k in ratio_keys]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    head = ["mode", "turn", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT mean (s)", "ITL mean (ms)", "out tok/s", "cached", "computed", "from decode"]
+    head = ["mode", "turn", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT mean (s)", "prefill leg done (s)", "first token at ingress (s)", "ITL mean (ms)", "out tok/s", "cached", "computed", "from decode"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for m in labels:
@@ -219,6 +226,7 @@ def markdown(results: dict) -> str:
                 "| "
                 + " | ".join(
                     [m, str(row["turn"]), _f(row["ttft_p50_s"]), _f(row["ttft_p90_s"]), _f(row["ttft_mean_s"]),
+                     _f(row.get("app_prefill_done_mean_s")), _f(row.get("app_first_token_mean_s")),
                      _f(row["itl_mean_s"], 1, 1000), _f(row["output_tok_s"], 1), _i(row["cached_tokens"]),
                      _i(row["computed_tokens"]), _i(row["reused_from_decode"])]
                 )
@@ -252,6 +260,8 @@ def markdown(results: dict) -> str:
         "TTFT: request sent to first content chunk. cached: prompt tokens the first engine did not compute "
         "(usage.prompt_tokens_details.cached_tokens); from decode: history offered to prefill from the decode "
         "engine (kvturn.reused_from_decode). Engine columns count prompt tokens over the measured phase; for "
-        "single they are the one engine's. Token columns per turn are sums over the turn's requests."
+        "single they are the one engine's. Token columns per turn are sums over the turn's requests. "
+        "prefill leg done / first token at ingress: the app's own timings (kvturn.timings), mean seconds "
+        "from the turn's arrival at the ingress."
     )
     return "\n".join(lines)

@@ -57,6 +57,9 @@ def test_every_mode_measured_every_turn(smoke):
             assert row["requests"] == sessions and row["errors"] == 0, (mode, row)
             assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["e2e_mean_s"], (mode, row)
             assert row["itl_mean_s"] > 0 and row["output_tok_s"] > 0, (mode, row)
+            # The app's own breakdown of TTFT: a prefill leg only in P/D modes.
+            assert 0 < row["app_first_token_mean_s"] <= row["ttft_p90_s"], (mode, row)
+            assert (row["app_prefill_done_mean_s"] is None) == (mode == "single"), (mode, row)
             # ignore_eos: every answer has exactly the requested length
             assert row["completion_tokens"] == sessions * results["workload"]["answer_tokens"], (mode, row)
         # the second turn re-sends the first turn's prompt and answer
