@@ -74,6 +74,19 @@ class PromptTokenCounts:
     requests: int = 0
     kv_cache_usage: float = 0.0
     """Fraction of KV blocks in use (running requests and blocks pinned for transfer)."""
+    transfers: int = 0
+    """NIXL reads this engine made (prefill pulling history, decode reading prefill)."""
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    failed_transfers: int = 0
+
+    def add_transfers(self, stats: dict) -> None:
+        """Fold in the NixlConnector's transfer stats of one scheduler step."""
+        durations = stats.get("transfer_duration") or []
+        self.transfers += len(durations)
+        self.transfer_s += float(sum(durations))
+        self.transfer_bytes += int(sum(stats.get("bytes_transferred") or []))
+        self.failed_transfers += len(stats.get("num_failed_transfers") or [])
 
     def add(self, computed: int, local: int, external: int, total: int) -> None:
         self.computed += computed
@@ -256,6 +269,9 @@ class VLLMEngine:
                 counts = counts_of()
                 if scheduler_stats is not None:
                     counts.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    transfers = getattr(scheduler_stats, "kv_connector_stats", None)
+                    if isinstance(transfers, dict):
+                        counts.add_transfers(transfers)
                 if iteration_stats is None:
                     return
                 p = iteration_stats.prompt_token_stats

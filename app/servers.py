@@ -61,6 +61,10 @@ class EngineServer:
             "prompt_tokens_external": c.external_kv_transfer,
             "requests": c.requests,
             "kv_cache_usage": c.kv_cache_usage,
+            "kv_transfers": c.transfers,
+            "kv_transfer_s": round(c.transfer_s, 4),
+            "kv_transfer_bytes": c.transfer_bytes,
+            "kv_failed_transfers": c.failed_transfers,
         }
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -26,6 +26,8 @@ def _turn_checks(apps, reply, before, history_len: int):
     assert p["prompt_tokens_computed"] <= new_tokens + block, (p, new_tokens)
     assert p["prompt_tokens_local_hit"] == 0
     assert reply.usage["prompt_tokens_details"]["cached_tokens"] == p["prompt_tokens_external"]
+    # The NixlConnector's own stats: prefill read the history over NIXL, without failures.
+    assert p["kv_transfers"] >= 1 and p["kv_transfer_bytes"] > 0 and p["kv_failed_transfers"] == 0, p
 
 
 def _run_chat(apps, session, stream, via_handle=False, turns=3):
