@@ -172,6 +172,13 @@ def _i(x: int | float | None) -> str:
     return "-" if x is None else f"{round(x):,}"
 
 
+def _pair(pre: dict | None, dec: dict | None, key: str, fmt) -> str:
+    """A transfer counter of prefill and decode engines ("-" without transfers)."""
+    if pre is None or dec is None or key not in pre:
+        return "-"
+    return f"{fmt(pre[key])} / {fmt(dec[key])}"
+
+
 def _pulls(counts: dict | None) -> str:
     """Ingress turn counters: handles offered to prefill, and prefill legs that timed out."""
     if not counts or not counts.get("handle_used"):
@@ -233,7 +240,7 @@ def markdown(results: dict) -> str:
                 + " |"
             )
     lines.append("")
-    head = ["mode", "wall (s)", "deploy (s)", "out tok/s (all)", "prefill pulled", "prefill local hit", "prefill computed", "decode pulled", "pulls used / timed out", "errors"]
+    head = ["mode", "wall (s)", "deploy (s)", "out tok/s (all)", "prefill pulled", "prefill local hit", "prefill computed", "decode pulled", "pulls used / timed out", "NIXL reads P / D", "read time P / D (s)", "read MB P / D", "errors"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for m in labels:
@@ -251,6 +258,9 @@ def markdown(results: dict) -> str:
                  _i((dec if single else pre)["prompt_tokens_computed"]) if (pre or dec) else "-",
                  _i(dec["prompt_tokens_external"]) if dec and not single else "-",
                  _pulls(mode.get("kv_stats")),
+                 _pair(pre, dec, "kv_transfers", _i),
+                 _pair(pre, dec, "kv_transfer_s", lambda x: _f(x, 2)),
+                 _pair(pre, dec, "kv_transfer_bytes", lambda x: _f(x / 1e6, 0)),
                  str(o["errors"])]
             )
             + " |"
@@ -262,6 +272,8 @@ def markdown(results: dict) -> str:
         "engine (kvturn.reused_from_decode). Engine columns count prompt tokens over the measured phase; for "
         "single they are the one engine's. Token columns per turn are sums over the turn's requests. "
         "prefill leg done / first token at ingress: the app's own timings (kvturn.timings), mean seconds "
-        "from the turn's arrival at the ingress."
+        "from the turn's arrival at the ingress. NIXL reads: transfers each engine made (prefill pulling "
+        "history from decode, decode reading new blocks from prefill), their total time and size, from "
+        "the NixlConnector's own stats."
     )
     return "\n".join(lines)

@@ -22,7 +22,17 @@ from bench.profiles import Profile
 from bench.workload import Workload
 
 ENGINE_PROCESS = "VLLM::EngineCore"
-COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed", "prompt_tokens_local_hit", "prompt_tokens_external", "requests")
+COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_tokens_computed",
+    "prompt_tokens_local_hit",
+    "prompt_tokens_external",
+    "requests",
+    "kv_transfers",
+    "kv_transfer_s",
+    "kv_transfer_bytes",
+    "kv_failed_transfers",
+)
 
 
 @dataclass
@@ -82,7 +92,7 @@ def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
         seen[stats["replica_id"]] = stats
     if not seen:
         return None
-    total = {k: sum(int(s.get(k, 0)) for s in seen.values()) for k in COUNTERS}
+    total = {k: sum(s.get(k, 0) for s in seen.values()) for k in COUNTERS}
     total["replicas"] = len(seen)
     return total
 
