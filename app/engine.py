@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from app.config import AppConfig, EngineRoleConfig, Mode
+from connector import vllm_plugin
 
 
 @dataclass(frozen=True)
@@ -239,9 +240,8 @@ class VLLMEngine:
             os.environ[key] = value
         if self._transfer:
             # Read by connector.vllm_plugin in the engine's processes (0: leave vLLM/NIXL as is).
-            os.environ["KVTURN_IDLE_POLL_MS"] = str(self._cfg.transfer.idle_poll_ms)
-            os.environ["KVTURN_NIXL_PROGRESS_DELAY_US"] = str(int(self._cfg.transfer.nixl_progress_poll_ms * 1000))
-        if self._transfer:
+            os.environ[vllm_plugin.ENV_IDLE_POLL_MS] = str(self._cfg.transfer.idle_poll_ms)
+            os.environ[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(self._cfg.transfer.nixl_progress_poll_ms * 1000))
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
             port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip

@@ -32,10 +32,6 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
 
 
-async def _awaitable(response):
-    return await response
-
-
 def _error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -132,7 +128,7 @@ class Ingress:
         if self._prefill is not None:
             engines["prefill"] = self._prefill
         results = await asyncio.gather(
-            *(asyncio.wait_for(_awaitable(h.stats.remote(ReplicaQuery())), 5.0) for h in engines.values()),
+            *(asyncio.wait_for(h.stats.remote(ReplicaQuery()), 5.0) for h in engines.values()),
             return_exceptions=True,
         )
         waiting = [role for role, r in zip(engines, results) if isinstance(r, BaseException)]

@@ -293,17 +293,12 @@ class Turns:
         timeout = None
         if history is not None:
             timeout = self.pace.deadline(new_tokens, self._cfg.transfer.pull_timeout_s)
-        self.pace.tokens_in_flight += new_tokens
-        started = time.monotonic()
         try:
-            final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
+            final = await self._paced_prefill(request, new_tokens, timeout)
         except asyncio.TimeoutError:
             self.counts["pull_timeout"] += 1
-            self.pace.tokens_in_flight += len(prompt_ids) - new_tokens  # the retry computes it all
-            new_tokens = len(prompt_ids)
             retry = EngineRequest(request.request_id + "-recompute", prompt_ids, request.sampling, prefill_params(None))
-            started = time.monotonic()
-            final, _ = await self._clients.prefill(retry)
+            final = await self._paced_prefill(retry, len(prompt_ids))
             history = None
             pull_ok = False
         else:
@@ -311,14 +306,23 @@ class Turns:
             if not pull_ok:
                 # Prefill's recompute policy took over: the pull failed.
                 self.counts["pull_short"] += 1
-        finally:
-            self.pace.tokens_in_flight -= new_tokens
-        self.pace.observe(len(prompt_ids) - final.num_cached_tokens, time.monotonic() - started)
         try:
             return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:
             self.counts["prefill_no_handle"] += 1
             return None, final.num_cached_tokens, pull_ok
+
+    async def _paced_prefill(self, request: EngineRequest, new_tokens: int, timeout: float | None = None) -> EngineChunk:
+        """One prefill call, counted in the pace: its `new_tokens` are in flight while it
+        runs, and a call that finishes updates the seconds per computed token."""
+        self.pace.tokens_in_flight += new_tokens
+        started = time.monotonic()
+        try:
+            final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
+        finally:
+            self.pace.tokens_in_flight -= new_tokens
+        self.pace.observe(len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started)
+        return final
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
         """Stream from decode. If the session's preferred replica fails before its first

@@ -1,7 +1,7 @@
 """A vLLM general plugin, loaded in every vLLM process of this environment (entry point
 `vllm.general_plugins` in pyproject.toml). It does nothing unless the engine was started
 by our servers, which set the variables below in the engine's environment. Two fixes for
-CPU burnt by idle engines, each measured on a 2-core host where it halved compute.
+CPU burnt by busy loops in idle engines; on a 2-core host they halved P/D TTFT.
 
 1. NIXL's progress thread (`KVTURN_NIXL_PROGRESS_DELAY_US`). NIXL's Python agent
 creates its UCX backend with a progress-thread poll timeout of 0: the thread that
@@ -10,18 +10,16 @@ one core per agent, before and after any transfer). The thread wakes on UCX's ev
 whenever there is work, and also after this timeout (a guard against missed wake-ups),
 so a timeout of a few milliseconds costs no latency and frees the core.
 
-2. The engine core's step loop (`KVTURN_IDLE_POLL_MS`). A decode engine keeps each finished turn's blocks pinned for the next turn's pull
-(`decoder_kv_blocks_ttl`), and vLLM keeps stepping its engine while any finished request
-awaits such a delayed free: an empty schedule and a worker round trip every millisecond,
-which keeps two threads busy for as long as any conversation is open. On a GPU host
-that is a core per engine; on a CPU host it is the cores the model runs on.
-
-What: when a step ran no model and nothing is running or waiting (only delayed frees
-and connector bookkeeping are left), the engine core waits up to `KVTURN_IDLE_POLL_MS`
-for a new request instead of 1 ms. A request that arrives wakes it at once, so latency
-is unchanged; transfer completions are polled at that interval, which only delays the
-release of blocks whose reader is already done. Requests waiting for remote KV count
-as waiting: the engine keeps its fast loop while a pull is in flight.
+2. The engine core's step loop (`KVTURN_IDLE_POLL_MS`). A decode engine keeps each
+finished turn's blocks pinned for the next turn's pull (`decoder_kv_blocks_ttl`), and
+vLLM keeps stepping its engine while any finished request awaits such a delayed free:
+an empty schedule and a worker round trip every millisecond, for as long as any
+conversation is open. When a step ran no model and nothing is running or waiting (only
+delayed frees and connector bookkeeping are left), the engine core now waits up to this
+interval for a new request instead of 1 ms. A request that arrives wakes it at once, so
+latency is unchanged; transfer completions are polled at that interval, which only
+delays the release of blocks whose reader is already done. Requests waiting for remote
+KV count as waiting: the engine keeps its fast loop while a pull is in flight.
 """
 
 from __future__ import annotations
@@ -99,12 +97,11 @@ def patch_engine_core(interval_s: float, engine_core_class: type | None = None) 
     """Patch `EngineCoreProc` (or the given class with the same step hook) in this process."""
     if engine_core_class is None:
         from vllm.v1.engine.core import EngineCoreProc as engine_core_class
-    EngineCore = engine_core_class
 
-    if getattr(EngineCore._process_engine_step, "_kvturn_idle_poll", None) is not None:
-        EngineCore._process_engine_step._kvturn_idle_poll = interval_s
+    step = engine_core_class._process_engine_step
+    if getattr(step, "_kvturn_idle_poll", None) is not None:
+        step._kvturn_idle_poll = interval_s
         return
-    step = EngineCore._process_engine_step
 
     def _process_engine_step(self) -> bool:
         model_executed = step(self)
@@ -113,7 +110,7 @@ def patch_engine_core(interval_s: float, engine_core_class: type | None = None) 
         return model_executed
 
     _process_engine_step._kvturn_idle_poll = interval_s
-    EngineCore._process_engine_step = _process_engine_step
+    engine_core_class._process_engine_step = _process_engine_step
 
 
 def only_delayed_work(scheduler) -> bool:
