@@ -53,6 +53,22 @@ class EngineRoleConfig(_Strict):
         default_factory=dict,
         description="Extra vllm AsyncEngineArgs for this role (e.g. max_num_batched_tokens).",
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "CPU engines: OpenMP threads per engine. None: the node's cores times this replica's "
+            "share of the node's CPU resource (num_cpus / node CPUs), at least 1 (app.sizing)."
+        ),
+    )
+    cpu_binding: Literal["nobind", "exclusive", "vllm"] = Field(
+        "nobind",
+        description=(
+            "CPU engines: 'nobind' lets the threads float over the node's cores; 'exclusive' gives "
+            "each engine its own cores (unbound if too few are free); 'vllm' is vLLM's own binding, "
+            "which puts every engine of a node on the same cores."
+        ),
+    )
 
 
 class TransferConfig(_Strict):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from app.config import AppConfig, EngineRoleConfig, Mode
+from app.registry import NodeRegistry
+from app.sizing import CpuPlan
 from connector import vllm_plugin
 
 
@@ -132,42 +134,23 @@ def reserve_port_block(start: int, width: int, registry: str = _PORT_REGISTRY) -
     """Reserve [port, port + width) for this process's NIXL side channel on this node.
 
     Replicas on one node start at the same time, so a plain "is it free?" check races:
-    reservations go through a node-local file under an exclusive lock, and entries of
-    processes that are gone are dropped. vLLM adds the TP rank to the base port.
+    reservations go through a node-local registry (`app.registry`). vLLM adds the TP rank
+    to the base port.
     """
-    import fcntl
 
-    with open(registry + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            taken: dict[int, int] = {}
-            if os.path.exists(registry):
-                for line in open(registry).read().split():
-                    pid, port = (int(x) for x in line.split(":"))
-                    if _pid_alive(pid):
-                        taken[port] = pid
-            port = start
-            while port + width < 65535:
-                clash = any(p in taken for p in range(port, port + width))
-                if not clash and _bindable(port, width):
-                    taken[port] = os.getpid()
-                    with open(registry, "w") as f:
-                        f.write(" ".join(f"{pid}:{p}" for p, pid in taken.items()))
-                    return port
-                port += width
-            raise RuntimeError(f"no free port block of width {width} from {start}")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    def pick(taken: set[int]) -> list[int] | None:
+        port = start
+        while port + width < 65535:
+            block = list(range(port, port + width))
+            if not taken.intersection(block) and _bindable(port, width):
+                return block
+            port += width
+        return None
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    block = NodeRegistry(registry).reserve(pick)
+    if not block:
+        raise RuntimeError(f"no free port block of width {width} from {start}")
+    return block[0]
 
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -232,10 +215,12 @@ class VLLMEngine:
         self._counts = PromptTokenCounts()
         self._llm = None
         self.side_channel: tuple[str, int] | None = None
+        self.cpu_plan: CpuPlan | None = None
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.cpu_plan = self._size_cpu()
         for key, value in self._cfg.env.items():
             os.environ[key] = value
         if self._transfer:
@@ -255,6 +240,27 @@ class VLLMEngine:
         async for _ in self.generate(warm):
             pass
         self._counts = PromptTokenCounts()
+
+    def _size_cpu(self) -> "CpuPlan | None":
+        """On CPU, give the engine its own thread count and binding (`app.sizing`), unless
+        the app's `env` sets them explicitly. Returns the plan applied, if any."""
+        from vllm.platforms import current_platform
+
+        from app.sizing import plan_for_this_replica
+
+        if not current_platform.is_cpu():
+            return None
+        cpu = plan_for_this_replica(self._role.cpu_threads, self._role.cpu_binding)
+        env = {**cpu.env(), **self._cfg.env}
+        os.environ.update({key: env[key] for key in cpu.env()})
+        return CpuPlan(int(env["OMP_NUM_THREADS"]), env["VLLM_CPU_OMP_THREADS_BIND"])
+
+    async def cpu_threads_in_use(self) -> int | None:
+        """OpenMP threads of the engine's worker process, read back from the worker."""
+        if self._llm is None:
+            return None
+        result = await self._llm.collective_rpc(_torch_threads)
+        return int(result[0]) if result else None
 
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -334,3 +340,10 @@ class EngineInfo:
     replica_id: str
     engine_id: str
     side_channel: tuple[str, int] | None
+
+
+def _torch_threads(worker=None) -> int:
+    """Run in an engine's worker by `collective_rpc`: its intra-op thread count."""
+    import torch
+
+    return torch.get_num_threads()

@@ -65,7 +65,17 @@ class EngineServer:
             "kv_transfer_s": round(c.transfer_s, 4),
             "kv_transfer_bytes": c.transfer_bytes,
             "kv_failed_transfers": c.failed_transfers,
+            **self._cpu_stats(),
         }
+
+    def _cpu_stats(self) -> dict:
+        plan = getattr(self._engine, "cpu_plan", None)
+        return {"cpu_threads": plan.threads, "cpu_binding": plan.bind} if plan else {}
+
+    async def cpu_threads_in_use(self, query: ReplicaQuery | None = None) -> int | None:
+        """OpenMP threads the engine's worker really runs (read back from the worker)."""
+        read = getattr(self._engine, "cpu_threads_in_use", None)
+        return await read() if read else None
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         finished = False

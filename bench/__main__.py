@@ -22,7 +22,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.profiles import MODES, PROFILES, profile as get_profile
+from bench.profiles import MODES, PROFILES, cluster_cpus, profile as get_profile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 
@@ -31,7 +31,8 @@ profiles:
   cpu    (default) models/bench-qwen3: Qwen3 with 12 layers, hidden 768, 12 heads / 4 KV
          heads, head_dim 64, intermediate 2048, random weights (load_format=dummy),
          float32 (bfloat16 is far slower on CPUs without AVX512-BF16), eager; 1 GiB KV
-         cache per engine; OpenMP threads per engine: half the cores, unbound (--threads).
+         cache per engine; each engine replica gets half the cores (num_cpus), and the app
+         sizes its OpenMP threads from that, unbound (--threads to set them).
          2 sessions x 6 turns, concurrency 2: system ~600 tokens, tool results ~1400
          tokens, answers 32 tokens, histories up to ~8k tokens (seed 4).
          About 12 minutes on 2 cores.
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
     e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
     e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
-    e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: half the cores)")
+    e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: the app's sizing, half the cores)")
     e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -108,8 +109,6 @@ def _profile_from(args: argparse.Namespace):
     from dataclasses import replace
 
     env = dict(prof.env)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -125,6 +124,7 @@ def _profile_from(args: argparse.Namespace):
         kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
         prefill_prefix_caching=args.prefill_prefix_caching,
         pull_timeout_s=args.pull_timeout_s,
+        cpu_threads=args.threads,
         env=env,
     )
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_description(modes[0])
         runs.append(runner.run_url(args.url, modes[0], workload, warmup, on_turn, log))
     else:
-        with runner.LocalCluster(args.port, prof.env) as cluster:
+        with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
             for mode in modes:
                 bar.set_description(mode)
                 runs.append(runner.run_mode(cluster, prof, mode, model_path, workload, warmup, on_turn, log))

@@ -1,7 +1,7 @@
 """Benchmark profiles: the model, engine settings and workload of a run.
 
 * `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
-  engines, one OpenMP thread each; 2 sessions x 6 turns whose history grows to about 8k
+  engines, each on half the cores (the app's own sizing); 2 sessions x 6 turns whose history grows to about 8k
   tokens, so prefill dominates. About 12 minutes on 2 cores for the three modes.
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
@@ -40,7 +40,12 @@ class Profile:
     least-loaded routing a turn rarely lands where the session's last one did."""
     kv_cache_bytes: int | None = 1 * GiB
     """Per engine; None: vLLM's own sizing."""
-    num_cpus: float = 0.5
+    num_cpus: float | None = None
+    """Ray CPUs per engine replica; the app sizes each engine's threads from it
+    (`app.sizing`). None: half the benchmark cluster's CPUs, so that prefill and decode
+    each have their own cores and the single engine gets as many as each of them."""
+    cpu_threads: int | None = None
+    """Explicit OpenMP threads per engine (`--threads`); None: the app's own sizing."""
     num_gpus: float = 0.0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     recompute_threshold_tokens: int = 64
@@ -63,7 +68,8 @@ class Profile:
         or one engine (single)."""
         role = {
             "num_replicas": 1,
-            "num_cpus": self.num_cpus,
+            "num_cpus": self.num_cpus if self.num_cpus is not None else engine_cpus(),
+            "cpu_threads": self.cpu_threads,
             "num_gpus": self.num_gpus,
             "kv_cache_memory_bytes": self.kv_cache_bytes,
             "engine_kwargs": dict(self.engine_kwargs),
@@ -90,18 +96,19 @@ class Profile:
         return AppConfig.model_validate(tree)
 
 
-def cpu_env(threads: int | None = None) -> dict[str, str]:
-    """Engine environment on CPU: NIXL over loopback, and `threads` OpenMP threads per
-    engine, unbound (default: half the cores, so that prefill and decode each have their
-    own). Two engines whose OpenMP teams share cores slow each other's every step by
-    orders of magnitude; and vLLM's automatic binding would give the single engine
-    fewer threads than a P/D engine. Every mode's engines get the same count."""
-    threads = threads or max(1, (os.cpu_count() or 2) // 2)
-    return {
-        "UCX_NET_DEVICES": "lo",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(threads),
-    }
+def cluster_cpus() -> int:
+    """CPUs the benchmark's own Ray cluster advertises: the machine's cores."""
+    return max(2, os.cpu_count() or 2)
+
+
+def engine_cpus() -> float:
+    return float(max(1, cluster_cpus() // 2))
+
+
+def cpu_env() -> dict[str, str]:
+    """Engine environment on CPU: NIXL over loopback. Threads and binding come from the
+    app's own sizing (`app.sizing`), as in any deployment."""
+    return {"UCX_NET_DEVICES": "lo"}
 
 
 def profile(name: str) -> Profile:

@@ -200,7 +200,7 @@ def markdown(results: dict) -> str:
     )
     e = results.get("engine") or {}
     if e:
-        threads = (e.get("env") or {}).get("OMP_NUM_THREADS")
+        threads = e.get("cpu_threads") or (e.get("env") or {}).get("OMP_NUM_THREADS")
         lines.append(
             f"Engines: {e.get('dtype')}, {'eager' if e.get('enforce_eager') else 'compiled'}, "
             f"prefill prefix caching {'on' if e.get('prefill_prefix_caching') else 'off'}"
