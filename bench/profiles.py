@@ -3,6 +3,8 @@
 * `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
   engines, each on half the cores (the app's own sizing); 2 sessions x 6 turns whose history grows to about 8k
   tokens, so prefill dominates. About 12 minutes on 2 cores for the three modes.
+* `agentic`: the `cpu` profile's model and engines; 2 sessions x 24 short turns (tool
+  results of 100-500 tokens) up to ~10k tokens of history, as coding agents run.
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
   about 24k tokens.
@@ -125,6 +127,20 @@ def profile(name: str) -> Profile:
             kv_cache_bytes=1 * GiB,
             env=cpu_env(),
         )
+    if name == "agentic":
+        return Profile(
+            name="agentic",
+            model="bench-qwen3",
+            # A coding agent: 24 short turns, mostly tool results of 100-500 tokens, the
+            # history growing to ~10k tokens; each turn adds little, so recomputing the
+            # history (oneway) is nearly all of the work and reuse matters most.
+            workload=WorkloadSpec(sessions=2, turns=24, concurrency=2, system_tokens=600, user_tokens=100, tool_tokens=500, tool_tokens_min=100, answer_tokens=32, tool_prob=0.85, seed=1),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=12288,
+            kv_cache_bytes=1 * GiB,
+            env=cpu_env(),
+        )
     if name == "gpu":
         return Profile(
             name="gpu",
@@ -155,8 +171,8 @@ def profile(name: str) -> Profile:
             recompute_threshold_tokens=32,
             env=cpu_env(),
         )
-    raise ValueError(f"unknown profile {name!r} (cpu, gpu, smoke)")
+    raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "gpu", "smoke")
+PROFILES = ("cpu", "agentic", "gpu", "smoke")
 MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))

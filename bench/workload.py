@@ -104,6 +104,9 @@ class WorkloadSpec:
     tool_prob: float = 0.8
     """Chance that a later turn adds a tool result rather than a user message."""
     seed: int = 0
+    tool_tokens_min: int | None = None
+    """If set, each tool result's length is drawn uniformly from [tool_tokens_min,
+    tool_tokens] (coding agents: many short results of varying size)."""
 
     def __post_init__(self):
         for name in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens"):
@@ -111,6 +114,8 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be at least 1")
         if not 0.0 <= self.tool_prob <= 1.0:
             raise ValueError("tool_prob must be within [0, 1]")
+        if self.tool_tokens_min is not None and not 1 <= self.tool_tokens_min <= self.tool_tokens:
+            raise ValueError("tool_tokens_min must be within [1, tool_tokens]")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -167,7 +172,10 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
         for t in range(spec.turns):
             if t > 0 and kinds.random() < spec.tool_prob:
                 name = rng.choice(_NAMES)
-                text = tool_output(rng, spec.tool_tokens, counter)
+                size = spec.tool_tokens
+                if spec.tool_tokens_min is not None:
+                    size = kinds.randint(spec.tool_tokens_min, spec.tool_tokens)
+                text = tool_output(rng, size, counter)
                 turns.append(TurnPlan("tool", ({"role": "tool", "content": f"[{name}] {text}"},), counter.count(text)))
             else:
                 text = f"Task {s}.{t}: " + prose(rng, spec.user_tokens, counter)
