@@ -253,13 +253,14 @@ class VLLMEngine:
         cpu = plan_for_this_replica(self._role.cpu_threads, self._role.cpu_binding)
         env = {**cpu.env(), **self._cfg.env}
         os.environ.update({key: env[key] for key in cpu.env()})
+        os.environ[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `cpu_threads_in_use` ask the worker
         return CpuPlan(int(env["OMP_NUM_THREADS"]), env["VLLM_CPU_OMP_THREADS_BIND"])
 
     async def cpu_threads_in_use(self) -> int | None:
         """OpenMP threads of the engine's worker process, read back from the worker."""
         if self._llm is None:
             return None
-        result = await self._llm.collective_rpc(_torch_threads)
+        result = await self._llm.collective_rpc(vllm_plugin.WORKER_THREADS)
         return int(result[0]) if result else None
 
     def _stat_logger_factory(self):
@@ -340,10 +341,3 @@ class EngineInfo:
     replica_id: str
     engine_id: str
     side_channel: tuple[str, int] | None
-
-
-def _torch_threads(worker=None) -> int:
-    """Run in an engine's worker by `collective_rpc`: its intra-op thread count."""
-    import torch
-
-    return torch.get_num_threads()

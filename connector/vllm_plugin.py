@@ -30,6 +30,8 @@ import queue
 
 ENV_IDLE_POLL_MS = "KVTURN_IDLE_POLL_MS"
 ENV_NIXL_PROGRESS_DELAY_US = "KVTURN_NIXL_PROGRESS_DELAY_US"
+ENV_WORKER_INFO = "KVTURN_WORKER_INFO"
+WORKER_THREADS = "kvturn_omp_threads"
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ def register() -> None:
     delay_us = _number(ENV_NIXL_PROGRESS_DELAY_US)
     if delay_us:
         patch_nixl_progress_delay(int(delay_us))
+    if os.environ.get(ENV_WORKER_INFO) == "1":
+        install_worker_info()
 
 
 def _number(name: str) -> float | None:
@@ -127,3 +131,19 @@ def wait_for_request(core, timeout_s: float) -> None:
     except queue.Empty:
         return
     core._handle_client_request(*request)
+
+
+def install_worker_info(worker_class: type | None = None) -> None:
+    """Give vLLM's workers a method that reports their intra-op (OpenMP) thread count, for
+    `AsyncLLM.collective_rpc(WORKER_THREADS)`: how the servers read back the engine's
+    sizing (a function sent to the worker would need vLLM's insecure pickle fallback)."""
+    if worker_class is None:
+        from vllm.v1.worker.worker_base import WorkerBase as worker_class
+
+    setattr(worker_class, WORKER_THREADS, _omp_threads)
+
+
+def _omp_threads(self) -> int:
+    import torch
+
+    return torch.get_num_threads()
