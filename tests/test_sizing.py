@@ -89,3 +89,15 @@ def test_registry_drops_entries_of_dead_processes(tmp_path):
     assert registry.reserve(lambda taken: [v for v in (5600, 5601) if v not in taken][:1]) == [5600]
     assert registry.reserve(lambda taken: [v for v in (5600, 5601) if v not in taken][:1]) == [5601]
     assert registry.reserve(lambda taken: None) is None
+
+
+def test_plugin_gives_workers_a_thread_count_method():
+    import torch
+
+    from connector import vllm_plugin
+
+    class Worker:
+        pass
+
+    vllm_plugin.install_worker_info(Worker)
+    assert getattr(Worker(), vllm_plugin.WORKER_THREADS)() == torch.get_num_threads()
