@@ -46,6 +46,8 @@ profiles:
          concurrency 8: system ~2000, tool results ~4400, answers 128 tokens; histories
          up to ~24k tokens. KV moves over NIXL/UCX from GPU memory (no UCX_NET_DEVICES
          set: pass --env UCX_NET_DEVICES=... to pin one).
+  chat   The embedded model with the app's defaults (compiled, 1 GiB KV), 1 session x 6
+         turns of ~300 new tokens, 16-token answers: the fixed per-turn cost of P/D.
   smoke  The embedded tiny model, 2 sessions x 2 turns of short texts.
 
 Prefill prefix caching is off in every profile (--prefill-prefix-caching turns it on):

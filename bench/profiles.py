@@ -8,6 +8,8 @@
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
   about 24k tokens.
+* `chat`: the embedded model with the app's defaults, 1 session x 6 turns of ~300 new
+  tokens, 16-token answers: the fixed cost of P/D per turn, as `make run` users see it.
 * `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
 """
 
@@ -158,6 +160,22 @@ def profile(name: str) -> Profile:
             kv_buffer_device=None,
             env={},
         )
+    if name == "chat":
+        return Profile(
+            name="chat",
+            model=str(DEFAULT_MODEL),
+            # What a user of `make run` sees: the embedded model with the app's defaults
+            # (compiled, 1 GiB KV), one session of 6 turns adding ~300 tokens each,
+            # 16-token answers. Measures the fixed cost of P/D per turn.
+            workload=WorkloadSpec(sessions=1, turns=6, concurrency=1, system_tokens=100, user_tokens=300, tool_tokens=300, answer_tokens=16, tool_prob=0.5, seed=2),
+            load_format="auto",
+            dtype="float32",
+            enforce_eager=False,
+            max_model_len=4096,
+            kv_cache_bytes=None,
+            recompute_threshold_tokens=32,
+            env=cpu_env(),
+        )
     if name == "smoke":
         return Profile(
             name="smoke",
@@ -174,5 +192,5 @@ def profile(name: str) -> Profile:
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "agentic", "gpu", "smoke")
+PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke")
 MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))
