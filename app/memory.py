@@ -1,0 +1,148 @@
+"""Decode memory: the ingress's part in keeping a real budget of pinned KV on decode engines.
+
+With bi-directional reuse every conversation's last turn stays pinned on its decode engine
+until the next turn's prefill pulls it. The handle store decides which pins are worth
+keeping (LRU, within `sessions.pinned_fraction` of each engine's blocks); this module
+connects its decisions to the engines:
+
+* capacity: the first time a turn leaves a handle on a decode engine the store does not
+  know, its replica is asked for its block count (`DecodeServer.kv_blocks`, read from the
+  engine's own block pool) and the store is told (`set_engine_capacity`).
+* releases: every handle the store lets go unread (evicted, superseded, expired, dropped,
+  unused or failed, session ended) lands in its releases outbox; `flush` takes them
+  (`take_releases`) and asks each decode replica to free those blocks now
+  (`DecodeServer.release`), instead of at the engine's `decoder_kv_blocks_ttl`.
+
+Flushes run after every turn's store update (in the background, off the answer's path),
+after a session is ended, and every `sessions.release_interval_s` (handles that expire
+while no turn comes). Engine and store calls that fail are counted, never raised: a
+missed release only leaves blocks pinned until the engine's own TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, defaultdict
+from typing import Any, Protocol, Sequence
+
+from app.config import AppConfig
+from connector.store import Conversation
+
+logger = logging.getLogger("ray.serve")
+
+
+class DecodeMemoryClients(Protocol):
+    """How decode replicas are reached (Serve handles in production)."""
+
+    async def decode_kv_blocks(self, replica_id: str) -> dict | None:
+        """`DecodeServer.kv_blocks` of that replica: engine_id, total, free, pinned, ..."""
+        ...
+
+    async def release(self, replica_id: str, request_ids: Sequence[str]) -> list[str]: ...
+
+    def decode_alive(self, replica_id: str) -> bool | None: ...
+
+
+class MemoryStore(Protocol):
+    """The store's decode-memory hooks (`connector.store.HandleStore`)."""
+
+    async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None: ...
+
+    async def take_releases(self) -> list[Any]:
+        """Handles that left unread since the last call: `Release(engine_id, request_id,
+        decode_replica, num_blocks, reason)`."""
+        ...
+
+
+class DecodeMemory:
+    """One per ingress replica. `counts` is shared with the turn counters."""
+
+    def __init__(self, cfg: AppConfig, clients: DecodeMemoryClients, store: MemoryStore | None, counts: Counter):
+        self._cfg = cfg
+        self._clients = clients
+        self._store = store
+        self.counts = counts
+        self._known: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._flush_lock: asyncio.Lock | None = None
+        self._ticker: asyncio.Task | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Bidir mode, with a store that has the decode-memory hooks."""
+        return self._cfg.reuses_kv and hasattr(self._store, "take_releases")
+
+    async def learn_capacity(self, conversation: Conversation | None) -> None:
+        """Before a new turn is stored: make sure the store knows the block count of the
+        engine its handle pins blocks on (one call per engine and ingress replica)."""
+        if not self.enabled or conversation is None or conversation.handle is None:
+            return
+        engine_id = conversation.handle.engine_id
+        if engine_id in self._known or conversation.decode_replica is None:
+            return
+        if not hasattr(self._clients, "decode_kv_blocks"):
+            return
+        try:
+            blocks = await self._clients.decode_kv_blocks(conversation.decode_replica)
+            if not blocks or blocks.get("engine_id") != engine_id:
+                self.counts["capacity_unknown"] += 1
+                return
+            await self._store.set_engine_capacity(engine_id, int(blocks["total"]))
+            self._known.add(engine_id)
+        except Exception:
+            logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
+            self.counts["capacity_unknown"] += 1
+
+    def release_soon(self) -> None:
+        """Flush the store's releases in the background (after a store update)."""
+        if not self.enabled:
+            return
+        self._start_ticker()
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> int:
+        """Take the store's releases and send them to their decode replicas, grouped.
+        Returns how many pinned requests the engines released."""
+        if not self.enabled:
+            return 0
+        if self._flush_lock is None:
+            self._flush_lock = asyncio.Lock()
+        async with self._flush_lock:
+            try:
+                releases = await self._store.take_releases()
+            except Exception:
+                logger.exception("could not take the store's releases")
+                self.counts["release_store_error"] += 1
+                return 0
+            by_replica: dict[str, list[Any]] = defaultdict(list)
+            for r in releases:
+                self.counts[f"release_{getattr(r.reason, 'value', r.reason)}"] += 1
+                if r.decode_replica is None or self._clients.decode_alive(r.decode_replica) is False:
+                    self.counts["release_replica_gone"] += 1
+                    continue
+                by_replica[r.decode_replica].append(r)
+            released = 0
+            for replica, batch in by_replica.items():
+                try:
+                    done = set(await self._clients.release(replica, [r.request_id for r in batch]))
+                except Exception:
+                    logger.exception("release on decode replica %s failed", replica)
+                    self.counts["release_engine_error"] += len(batch)
+                    continue
+                released += len(done)
+                self.counts["released_requests"] += len(done)
+                self.counts["released_blocks"] += sum(r.num_blocks for r in batch if r.request_id in done)
+                self.counts["release_not_pinned"] += len(batch) - len(done)
+            return released
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.sessions.release_interval_s)
+            await self.flush()

@@ -1,0 +1,146 @@
+"""Early release of a decode engine's pinned KV blocks, and the engine's own block counts.
+
+With bi-directional transfer, vLLM's NixlConnector keeps every finished decode request's
+blocks pinned until a prefill engine reads them or `decoder_kv_blocks_ttl` passes. vLLM
+has no call to give them back sooner. The connector's worker keeps the pins as
+`_reqs_to_send: request_id -> expiry` and, on every `get_finished` of a step, reports the
+expired ones as finished sending; the scheduler then frees their blocks. So a release is
+an expiry moved to now: the next engine step frees the blocks through vLLM's own path
+(the engine logs it as "Releasing expired KV blocks for request ...").
+
+Two methods are installed by `register()` (called from the project's vLLM plugin, in every
+vLLM process, only when the engine was started with `ENV_RELEASE=1` by our servers):
+
+* `WorkerBase.kvturn_expire_sends(request_ids)`: run in each worker by
+  `AsyncLLM.collective_rpc(WORKER_EXPIRE, args=(ids,))`; returns the ids it released.
+* `EngineCore.kvturn_kv_blocks()`: a utility call of the engine core (the scheduler's
+  process); returns `block_counts` of its block pool.
+
+Both depend on private vLLM 0.32 internals. `support_problem()` checks them, and
+`register()` installs nothing (with a warning) when they are missing, so a caller gets a
+clear "method not implemented" instead of a wrong release.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable
+
+ENV_RELEASE = "KVTURN_RELEASE"
+WORKER_EXPIRE = "kvturn_expire_sends"
+CORE_BLOCKS = "kvturn_kv_blocks"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Install the two methods in this process when our servers asked for them."""
+    if os.environ.get(ENV_RELEASE) != "1":
+        return
+    problem = support_problem()
+    if problem:
+        logger.warning("kvturn early release disabled: %s", problem)
+        return
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    install(WorkerBase, EngineCore)
+
+
+def install(worker_class: type, engine_core_class: type) -> None:
+    setattr(worker_class, WORKER_EXPIRE, _worker_expire_sends)
+    setattr(engine_core_class, CORE_BLOCKS, _engine_core_kv_blocks)
+
+
+def support_problem() -> str | None:
+    """What the installed vLLM lacks for early release, or None when it has it all."""
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError as exc:
+        return f"vLLM module missing: {exc}"
+    needs = [
+        (kv_transfer_state, "get_kv_transfer_group"),
+        (kv_transfer_state, "has_kv_transfer_group"),
+        (NixlBaseConnectorWorker, "_reap_expired_send_leases"),
+        (BlockPool, "get_num_free_blocks"),
+        (Scheduler, "_update_from_kv_xfer_finished"),
+    ]
+    missing = [f"{owner.__name__}.{name}" for owner, name in needs if not hasattr(owner, name)]
+    return f"vLLM lacks {', '.join(missing)}" if missing else None
+
+
+# -- worker side ----------------------------------------------------------------------
+
+
+def expire_sends(nixl_worker: Any, request_ids: Iterable[str]) -> list[str]:
+    """Move the send-pin expiry of `request_ids` to now in a NixlConnector worker.
+
+    Returns the ids that were pinned here (others were already read, expired, or are not
+    this worker's). Runs on the engine's step thread (a collective RPC is handled between
+    steps), so it never races `get_finished`."""
+    pins: dict[str, float] = nixl_worker._reqs_to_send
+    released = []
+    for request_id in request_ids:
+        if request_id in pins:
+            pins[request_id] = 0.0
+            released.append(request_id)
+    return released
+
+
+def nixl_worker_of(connector: Any) -> Any | None:
+    """The NixlConnector worker inside `connector` (itself, or one of a MultiConnector's)."""
+    worker = getattr(connector, "connector_worker", None)
+    if worker is not None and hasattr(worker, "_reqs_to_send"):
+        return worker
+    for sub in getattr(connector, "_connectors", ()) or ():
+        found = nixl_worker_of(sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _worker_expire_sends(worker, request_ids: list[str]) -> list[str]:
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return []
+    nixl = nixl_worker_of(get_kv_transfer_group())
+    if nixl is None:
+        raise RuntimeError("this engine has no NixlConnector worker to release blocks from")
+    return expire_sends(nixl, request_ids)
+
+
+# -- engine-core side -------------------------------------------------------------------
+
+
+def block_counts(scheduler: Any) -> dict[str, int]:
+    """The engine's KV blocks from its scheduler's block pool.
+
+    `total`: usable blocks (the pool's null block excluded); `free`: blocks a new request
+    can get (free or evictable prefix-cache blocks); `pinned`: blocks held by finished
+    requests for a transfer (decode: kept for the next turn's pull); `pinned_requests`:
+    how many such requests."""
+    manager = scheduler.kv_cache_manager
+    pool = manager.block_pool
+    pinned: set[int] = set()
+    pinned_requests = 0
+    for request_id, request in scheduler.requests.items():
+        if not request.is_finished():
+            continue
+        pinned_requests += 1
+        for group in manager.get_block_ids(request_id):
+            pinned.update(b for b in group if b)
+    return {
+        "total": int(pool.num_gpu_blocks) - 1,
+        "free": int(pool.get_num_free_blocks()),
+        "pinned": len(pinned),
+        "pinned_requests": pinned_requests,
+    }
+
+
+def _engine_core_kv_blocks(core) -> dict[str, int]:
+    return block_counts(core.scheduler)
