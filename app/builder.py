@@ -14,8 +14,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from app.config import AppConfig, EngineRoleConfig, Mode
-from app.ingress import Ingress
+from app.ingress import Ingress, store_settings
 from app.servers import DecodeServer, PrefillServer
+from connector.actor import SessionStore
 
 _ROUTER = "app.routing.SessionAffinityRouter"
 
@@ -52,12 +53,17 @@ def build(cfg: AppConfig) -> Application:
     if cfg.mode is not Mode.SINGLE:
         sticky = cfg.sessions.prefill_routing == "sticky"
         prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(cfg, cfg.prefill, transfer=True)
+    store = None
+    if cfg.mode is not Mode.ONEWAY:
+        # Part of the graph: its settings follow every deploy, and it goes with the app.
+        placement = {"num_cpus": 0, "resources": dict(cfg.sessions.store_resources)}
+        store = SessionStore.options(ray_actor_options=placement).bind(store_settings(cfg))
     ingress = Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     )
-    return ingress.bind(cfg, prefill, decode)
+    return ingress.bind(cfg, prefill, decode, store)
 
 
 def graph(args: Mapping[str, Any]) -> Application:

@@ -141,6 +141,10 @@ class SessionConfig(_Strict):
         1_000_000, ge=1, description="Blocks the store lets one decode engine keep pinned for waiting sessions."
     )
     store_shards: int = Field(1, ge=1, description="Ray actors holding handles, sharded by session.")
+    store_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources of the SessionStore replica (placement, e.g. {'head': 0.01}); its shards run beside it.",
+    )
     prefill_routing: Literal["least_loaded", "sticky"] = Field(
         "least_loaded", description="Prefill replica choice: least loaded, or the one that served the session last."
     )

@@ -328,6 +328,12 @@ class VLLMEngine:
     def counts(self) -> PromptTokenCounts:
         return self._counts
 
+    async def check_health(self) -> None:
+        """Raise vLLM's `EngineDeadError` once the engine core died or its output loop stopped."""
+        if self._llm is None:
+            raise RuntimeError("the engine is shut down")
+        await self._llm.check_health()
+
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()

@@ -24,9 +24,9 @@ from ray.serve.handle import DeploymentHandle
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
 from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from app.routing import replica_alive
+from app.routing import LiveReplicas
 from app.turns import Delta, TurnInput, TurnResult, Turns
-from connector.actor import StoreClient
+from connector.actor import StoreClient, StoreSettings
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
@@ -77,9 +77,10 @@ class _HFTokenizer:
 class ServeEngineClients:
     """`EngineClients` over Serve deployment handles."""
 
-    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle):
+    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle, decode_live: LiveReplicas):
         self._prefill = prefill
         self._decode = decode.options(stream=True)
+        self._decode_live = decode_live
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
         return await self._prefill.prefill.remote(request)
@@ -89,34 +90,47 @@ class ServeEngineClients:
             yield item
 
     def decode_alive(self, replica_id: str) -> bool | None:
-        return replica_alive("DecodeServer", replica_id)
+        return self._decode_live.alive(replica_id)
+
+
+def store_settings(cfg: AppConfig) -> StoreSettings:
+    """The handle store's settings for a config (the builder binds `SessionStore` with
+    them; the ingress checks the running store has them)."""
+    s = cfg.sessions
+    return StoreSettings(
+        handle_ttl_s=s.handle_ttl_s,
+        decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
+        max_sessions=s.max_sessions,
+        max_blocks_per_engine=s.max_pinned_blocks_per_engine,
+        index_block_size=cfg.block_size,
+        shards=s.store_shards,
+    )
 
 
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
     """HTTP routes and handle methods. Handle callers: `chat`, `chat_stream`,
-    `completions`, `completions_stream` take the OpenAI body as a dict."""
+    `completions`, `completions_stream` take the OpenAI body as a dict.
 
-    def __init__(self, cfg: AppConfig, prefill: DeploymentHandle | None, decode: DeploymentHandle):
+    `store` is the app's `SessionStore` deployment (None in oneway mode): its shards are
+    fetched at the first store call and checked to run with this config's settings."""
+
+    def __init__(
+        self,
+        cfg: AppConfig,
+        prefill: DeploymentHandle | None,
+        decode: DeploymentHandle,
+        store: DeploymentHandle | None = None,
+    ):
         self._cfg = cfg
         self._prefill = prefill
         self._decode = decode
         self._tok = _HFTokenizer(cfg.tokenizer or cfg.model)
-        store = None
-        if cfg.reuses_kv or cfg.mode.value == "single":
-            s = cfg.sessions
-            store = StoreClient.connect(
-                cfg.app_name,
-                s.store_shards,
-                handle_ttl_s=s.handle_ttl_s,
-                decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
-                max_sessions=s.max_sessions,
-                max_blocks_per_engine=s.max_pinned_blocks_per_engine,
-                index_block_size=cfg.block_size,
-            )
-        self._store = store
-        self._turns = Turns(cfg, ServeEngineClients(prefill, decode), store, self._tok)
+        self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
+        store = self._store
+        app_name = serve.get_replica_context().app_name
+        self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), store, self._tok)
 
     # -- HTTP ----------------------------------------------------------------------------
 

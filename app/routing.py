@@ -1,30 +1,62 @@
-"""Session affinity for engine replicas: a Ray Serve request router.
+"""Session affinity for engine replicas: a Ray Serve request router (public API,
+`ray.serve.request_router`), and the liveness view it feeds.
 
 Runs inside the ingress process (Serve builds one router per deployment handle). A request
 that names a `preferred_replica` (the replica that served the session's previous turn)
 goes there while that replica lives and accepts work; otherwise, and for requests without
-a preference, it falls back to Serve's power-of-two-choices (least loaded of two).
+a preference, Serve's power of two choices: two random replicas, the less loaded first.
 
-The router also records which replicas are alive, so the ingress can tell that a
-session's decode replica is gone before asking prefill to pull from it.
+Liveness: Serve tells each router which replicas are running (`update_replicas`, from the
+controller's long poll) and which died (`on_replica_actor_died`, when a call to one fails
+with an actor death). The router publishes that to `LIVENESS`, keyed by (app, deployment),
+and the ingress reads it through a `LiveReplicas` view it is handed, to tell that a
+session's decode replica is gone before asking prefill to pull from it. Serve builds
+routers itself from a class path (no object can be handed to one), so this per-process
+table is the channel; it holds only what Serve last told the routers here.
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
 from typing import List, Optional
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-
-# deployment name -> unique ids of its running replicas, as last seen by a router here.
-_LIVE: dict[str, frozenset[str]] = {}
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 
-def replica_alive(deployment: str, replica_id: str) -> bool | None:
-    """Whether `replica_id` of `deployment` is running; None if no router has seen it yet."""
-    live = _LIVE.get(deployment)
-    return None if live is None else replica_id in live
+class Liveness:
+    """Running replicas per (app, deployment), as the routers of this process last saw them."""
+
+    def __init__(self):
+        self._live: dict[tuple[str, str], frozenset[str]] = {}
+
+    def record(self, app: str, deployment: str, replica_ids: frozenset[str]) -> None:
+        self._live[(app, deployment)] = replica_ids
+
+    def discard(self, app: str, deployment: str, replica_id: str) -> None:
+        key = (app, deployment)
+        if key in self._live:
+            self._live[key] = self._live[key] - {replica_id}
+
+    def alive(self, app: str, deployment: str, replica_id: str) -> bool | None:
+        """Whether the replica runs; None while no router here has heard from Serve."""
+        live = self._live.get((app, deployment))
+        return None if live is None else replica_id in live
+
+
+LIVENESS = Liveness()
+
+
+@dataclass(frozen=True)
+class LiveReplicas:
+    """The ingress's view of one deployment's running replicas (fed by its router)."""
+
+    app: str
+    deployment: str
+    liveness: Liveness = LIVENESS
+
+    def alive(self, replica_id: str) -> bool | None:
+        return self.liveness.alive(self.app, self.deployment, replica_id)
 
 
 def _preferred(pending: Optional[PendingRequest]) -> str | None:
@@ -33,25 +65,32 @@ def _preferred(pending: Optional[PendingRequest]) -> str | None:
     return getattr(pending.args[0], "preferred_replica", None)
 
 
-class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Prefer the session's replica; least loaded of two otherwise."""
+def _ids(replicas) -> frozenset[str]:
+    return frozenset(r.replica_id.unique_id for r in replicas)
+
+
+class SessionAffinityRouter(FIFOMixin, RequestRouter):
+    """Prefer the session's replica; least loaded of two random replicas otherwise."""
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        _LIVE[self._deployment_id.name] = frozenset(r.replica_id.unique_id for r in replicas)
+        LIVENESS.record(self.app_name, self._deployment_id.name, _ids(replicas))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        LIVENESS.discard(self.app_name, self._deployment_id.name, replica_id.unique_id)
 
     async def choose_replicas(
         self,
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
-        ranked = await super().choose_replicas(candidate_replicas, pending_request)
+        if not candidate_replicas:
+            return []
         wanted = _preferred(pending_request)
-        if wanted is None:
-            return ranked
-        for replica in candidate_replicas:
-            if replica.replica_id.unique_id == wanted:
-                # Tried first; if it rejects (at max_ongoing_requests), the next rank is.
-                rest = [[r for r in group if r is not replica] for group in ranked]
-                return [[replica]] + [group for group in rest if group]
-        return ranked
+        preferred = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
+        others = [r for r in candidate_replicas if r.replica_id.unique_id != wanted]
+        two = random.sample(others, min(2, len(others)))
+        # Serve probes each rank's queue lengths and takes the least loaded replica that
+        # accepts; the preferred replica alone is the first rank, tried before the rest.
+        return [group for group in (preferred, two) if group]

@@ -5,11 +5,18 @@
 ingress, through deployment handles, with `EngineRequest`s whose transfer params were
 built by `connector.handle`. Each replica reports its Serve replica id with its output,
 which the ingress stores with the session for affinity on the next turn.
+
+Lifetime: the engine's processes die with the replica. Serve's graceful shutdown calls
+`__del__`, which shuts the engine down; a replica that dies any other way leaves the
+engine core to `connector.vllm_plugin`'s lifetime guard, armed by `KVTURN_OWNER_PID`
+(this process). `check_health` (called by Serve every `health_check_period_s`) fails once
+the engine is dead, and Serve replaces the replica.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import AsyncIterator
 
 import ray
@@ -17,6 +24,7 @@ from ray import serve
 
 from app.config import AppConfig, EngineRoleConfig
 from app.engine import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery, VLLMEngine
+from connector import vllm_plugin
 
 logger = logging.getLogger("ray.serve")
 
@@ -31,6 +39,8 @@ class EngineServer:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         node_ip = ray.util.get_node_ip_address()
+        # Read by the lifetime guard in the engine's processes (spawned with this env).
+        os.environ[vllm_plugin.ENV_OWNER_PID] = str(os.getpid())
         self._engine = engine or VLLMEngine(
             cfg, role_cfg, name=f"{self.role}-{self.replica_id}", transfer=transfer, node_ip=node_ip
         )
@@ -87,9 +97,18 @@ class EngineServer:
             if not finished:  # the caller went away: free the engine's slot and blocks
                 await self._engine.abort(request.request_id)
 
+    async def check_health(self) -> None:
+        """Serve's health check: raises once the engine is dead (its core process exited
+        or its output loop failed), so Serve stops routing here and replaces the replica."""
+        check = getattr(self._engine, "check_health", None)
+        if check is not None:
+            await check()
+
     def __del__(self):
+        """Serve's graceful shutdown (and garbage collection) end the engine's processes."""
         engine = getattr(self, "_engine", None)
         if engine is not None:
+            self._engine = None
             engine.shutdown()
 
 

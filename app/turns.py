@@ -17,6 +17,8 @@ with fakes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from collections import Counter
@@ -206,7 +208,7 @@ class Turns:
         finally:
             if claim is not None and self._store is not None:
                 # Shielded: runs even when the client disconnects mid-stream.
-                await asyncio.shield(self._store.end_turn(claim, outcome, new_conv))
+                await asyncio.shield(self._store_call(self._store.end_turn(claim, outcome, new_conv), None, "end_turn"))
 
     # -- steps -------------------------------------------------------------------------
 
@@ -217,11 +219,23 @@ class Turns:
         if session_id is None and self._cfg.sessions.match_sessionless:
             if prompt_ids is None:
                 prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
-            session_id, _ = await self._store.match(prompt_ids, turn.prompt_text)
+            session_id, _ = await self._store_call(self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match")
             self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
         session_id = session_id or _new_session()
-        claim = await self._store.begin_turn(session_id)
+        # Store unavailable: the turn runs without reuse and is not stored.
+        claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
         return session_id, prompt_ids, claim
+
+    async def _store_call(self, call, default, what: str):
+        """Await a store call; if it fails (the client's deadline included), count
+        `store_unavailable`, log, and return `default`: a store fault costs reuse, never
+        the turn."""
+        try:
+            return await call
+        except Exception as exc:
+            self.counts["store_unavailable"] += 1
+            logger.warning("store %s failed, turn goes on without it: %r", what, exc)
+            return default
 
     def _prompt_ids(self, turn: TurnInput, prompt_ids, conv: Conversation | None) -> tuple[tuple[int, ...], bool]:
         text = turn.prompt_text
@@ -264,7 +278,7 @@ class Turns:
         conv = claim.conversation
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
             self.counts["miss_replica_gone"] += 1
-            await self._store.drop_engine(claim.handle.engine_id)
+            await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
             return None, "replica_gone"
         handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
         if drift:
@@ -297,20 +311,38 @@ class Turns:
             final = await self._paced_prefill(request, new_tokens, timeout)
         except asyncio.TimeoutError:
             self.counts["pull_timeout"] += 1
-            retry = EngineRequest(request.request_id + "-recompute", prompt_ids, request.sampling, prefill_params(None))
-            final = await self._paced_prefill(retry, len(prompt_ids))
+            final = await self._recompute_prefill(request)
             history = None
+            pull_ok = False
+        except Exception as exc:  # the replica or its engine failed (not a timeout)
+            self.counts["prefill_failed"] += 1
+            logger.warning("prefill leg %s failed, retrying without history: %r", request.request_id, exc)
+            final = await self._recompute_prefill(request)
             pull_ok = False
         else:
             pull_ok = history is None or final.num_cached_tokens + self._cfg.block_size > history.num_tokens
             if not pull_ok:
                 # Prefill's recompute policy took over: the pull failed.
                 self.counts["pull_short"] += 1
+        if final is None:  # prefill failed twice: decode computes the whole prompt
+            return None, 0, False
         try:
             return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:
             self.counts["prefill_no_handle"] += 1
             return None, final.num_cached_tokens, pull_ok
+
+    async def _recompute_prefill(self, failed: EngineRequest) -> EngineChunk | None:
+        """Run a failed or late prefill leg again, without history (Serve's router picks a
+        replica, a dead one no longer among them). None if this fails too: the turn then
+        goes to decode without transfer params (counted as `prefill_skipped`)."""
+        retry = dataclasses.replace(failed, request_id=failed.request_id + "-recompute", kv_params=prefill_params(None))
+        try:
+            return await self._paced_prefill(retry, len(retry.prompt_token_ids))
+        except Exception as exc:
+            self.counts["prefill_skipped"] += 1
+            logger.warning("prefill retry %s failed, decode computes the prompt: %r", retry.request_id, exc)
+            return None
 
     async def _paced_prefill(self, request: EngineRequest, new_tokens: int, timeout: float | None = None) -> EngineChunk:
         """One prefill call, counted in the pace: its `new_tokens` are in flight while it
@@ -325,25 +357,35 @@ class Turns:
         return final
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
-        """Stream from decode. If the session's preferred replica fails before its first
-        output (it died since the last turn), retry once on any replica."""
+        """Stream from decode. If the replica fails before its first output (e.g. the
+        session's replica died since the last turn), retry once on any replica. A replica
+        that fails after it started answering (or twice) ends the turn with a 502
+        `APIError` (`decode_failed`): the client sees a clear error, the session's next
+        turn recomputes."""
         started = False
         try:
-            async for item in self._clients.decode(request):
-                started = True
-                yield item
-        except Exception:
-            if started or request.preferred_replica is None:
+            try:
+                async for item in self._clients.decode(request):
+                    started = True
+                    yield item
+            except APIError:
                 raise
-            self.counts["decode_retried"] += 1
-            retry = EngineRequest(
-                request_id=request.request_id + "-retry",
-                prompt_token_ids=request.prompt_token_ids,
-                sampling=request.sampling,
-                kv_params=request.kv_params,
-            )
-            async for item in self._clients.decode(retry):
-                yield item
+            except Exception as exc:
+                if started:
+                    raise
+                self.counts["decode_retried"] += 1
+                logger.warning("decode %s failed before its first output, retrying: %r", request.request_id, exc)
+                retry = dataclasses.replace(request, request_id=request.request_id + "-retry", preferred_replica=None)
+                async for item in self._clients.decode(retry):
+                    yield item
+        except APIError:
+            raise
+        except Exception as exc:
+            self.counts["decode_failed"] += 1
+            logger.warning("decode %s failed: %r", request.request_id, exc)
+            raise APIError(
+                502, "the decode replica failed while answering; send the turn again", type="server_error", code="decode_failed"
+            ) from exc
 
     def _conversation(self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica) -> Conversation:
         handle = None
@@ -370,6 +412,9 @@ class Turns:
             # The stop/EOS token is in the ids but not in the text the client receives.
             suffix = self._tok.piece(generated[-1])
         return turn.prompt_text + text + suffix
+
+
+logger = logging.getLogger("ray.serve")
 
 
 def _new_session() -> str:

@@ -1,21 +1,59 @@
-"""The handle store as Ray actors, and the client every ingress replica uses.
+"""The handle store as Ray actors, the Serve deployment that owns them, and the client
+every ingress replica uses.
 
-Handles live in `HandleStoreActor`s (named, detached, one per shard) so all ingress
-replicas share them and a restarted ingress finds them again. Sessions are sharded by a
-stable hash of their id; a sessionless prompt is matched against every shard.
+Lifetime: `SessionStore` is a deployment of the application graph (bound by the builder
+with the app's `StoreSettings`). Its one replica creates the shards (`HandleStoreActor`,
+non-detached, so they die with it): a redeploy with other settings replaces the replica
+and with it the shards, and `serve delete` removes them with the app. A shard that dies
+is restarted by Ray (`max_restarts=-1`) empty: reuse is lost, never correctness.
+
+Per-turn calls go from the ingress straight to the shards (`StoreClient`); the ingress
+asks `SessionStore` for the shard handles once, and again after a call failed. Every
+call has a deadline; a failed or late call raises `StoreUnavailable`, and the turn goes
+on without reuse. Sessions are sharded by a stable hash of their id; a sessionless prompt
+is matched against every shard.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import zlib
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
 
 import ray
+from ray import serve
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 
-NAMESPACE = "kvturn"
+logger = logging.getLogger("ray.serve")
+
+STORE_CALL_TIMEOUT_S = 5.0
+"""Deadline of one store call from the ingress; past it the turn goes on without reuse."""
+
+
+class StoreUnavailable(Exception):
+    """A store call failed or timed out (shard restarting or gone, store redeploying)."""
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What a store is built with; the ingress checks the running store has exactly these."""
+
+    handle_ttl_s: float
+    decoder_ttl_s: float
+    max_sessions: int
+    max_blocks_per_engine: int
+    index_block_size: int
+    shards: int = 1
+
+    def store_kwargs(self) -> dict[str, Any]:
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("shards")
+        return kwargs
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -23,6 +61,7 @@ class HandleStoreActor:
     """One shard of the store. Methods are cheap and never block."""
 
     def __init__(self, **store_kwargs):
+        self._settings = dict(store_kwargs)
         self._store = HandleStore(**store_kwargs)
 
     def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
@@ -38,49 +77,110 @@ class HandleStoreActor:
         return self._store.drop_engine(engine_id)
 
     def stats(self) -> dict:
-        return self._store.stats()
+        """The shard's state and counters, and the settings it was built with."""
+        return {**self._store.stats(), "settings": self._settings}
+
+
+@serve.deployment(name="SessionStore", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+class SessionStore:
+    """Owns the shards of one app's store (created here, they share this replica's fate).
+    Called by ingress replicas: `shards()` at their first store call and after a failure."""
+
+    def __init__(self, settings: StoreSettings):
+        self._settings = settings
+        # Beside this replica (soft): the shards follow its placement (`sessions.store_resources`).
+        near = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self._shards = [
+            HandleStoreActor.options(scheduling_strategy=near).remote(**settings.store_kwargs())
+            for _ in range(settings.shards)
+        ]
+
+    def shards(self) -> tuple[StoreSettings, list]:
+        """This store's settings and its shard actor handles, in shard order."""
+        return self._settings, self._shards
+
+    def __del__(self):
+        for shard in getattr(self, "_shards", ()):
+            ray.kill(shard, no_restart=True)
 
 
 def shard_of(session_id: str, shards: int) -> int:
     return zlib.crc32(session_id.encode()) % shards
 
 
-class StoreClient:
-    """Ingress-side view of the sharded store."""
+ShardSource = Callable[[], Awaitable[tuple[StoreSettings, list]]]
 
-    def __init__(self, actors: list):
-        self._actors = actors
+
+class StoreClient:
+    """Ingress-side view of the sharded store. Every method raises `StoreUnavailable`
+    when the store cannot answer within `timeout_s`."""
+
+    def __init__(self, source: ShardSource, expected: StoreSettings | None = None, timeout_s: float = STORE_CALL_TIMEOUT_S):
+        self._source = source
+        self._expected = expected
+        self._timeout = timeout_s
+        self._actors: list | None = None
+        self._lock = asyncio.Lock()
 
     @classmethod
-    def connect(cls, app_name: str, shards: int, **store_kwargs) -> "StoreClient":
-        """Get or create the shards of `app_name`'s store."""
-        actors = [
-            HandleStoreActor.options(
-                name=f"handle-store-{app_name}-{i}",
-                namespace=NAMESPACE,
-                get_if_exists=True,
-                lifetime="detached",
-            ).remote(**store_kwargs)
-            for i in range(shards)
-        ]
-        return cls(actors)
+    def of_deployment(cls, handle, expected: StoreSettings, **kwargs) -> "StoreClient":
+        """Shards owned by a `SessionStore` deployment (its `DeploymentHandle`)."""
 
-    def _shard(self, session_id: str):
-        return self._actors[shard_of(session_id, len(self._actors))]
+        async def source():
+            return await handle.shards.remote()
+
+        return cls(source, expected, **kwargs)
+
+    @classmethod
+    def of_actors(cls, actors: list, **kwargs) -> "StoreClient":
+        async def source():
+            return None, actors
+
+        return cls(source, **kwargs)
+
+    async def _shards(self) -> list:
+        if self._actors is not None:
+            return self._actors
+        async with self._lock:
+            if self._actors is None:
+                try:
+                    settings, actors = await asyncio.wait_for(self._source(), self._timeout)
+                except Exception as exc:
+                    raise StoreUnavailable(f"the session store did not answer: {exc!r}") from exc
+                if self._expected is not None and settings != self._expected:
+                    # A redeploy in flight: the old store answered. Ask again next time.
+                    raise StoreUnavailable(f"the running store has settings {settings}, not {self._expected}")
+                self._actors = actors
+        return self._actors
+
+    async def _call(self, ref) -> Any:
+        try:
+            return await asyncio.wait_for(ref, self._timeout)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            # The shard is restarting or its owner is gone: fetch the shards again next time.
+            self._actors = None
+            raise StoreUnavailable(f"store call failed: {exc!r}") from exc
+
+    async def _shard(self, session_id: str):
+        actors = await self._shards()
+        return actors[shard_of(session_id, len(actors))]
 
     async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
-        results = await asyncio.gather(*(a.match.remote(list(prompt_ids), prompt_text) for a in self._actors))
+        actors = await self._shards()
+        results = await asyncio.gather(*(self._call(a.match.remote(list(prompt_ids), prompt_text)) for a in actors))
         return max(results, key=lambda r: (r[0] is not None, r[1]))
 
     async def begin_turn(self, session_id: str) -> Claim:
-        return await self._shard(session_id).begin_turn.remote(session_id)
+        return await self._call((await self._shard(session_id)).begin_turn.remote(session_id))
 
     async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
-        await self._shard(claim.session_id).end_turn.remote(claim.lease_id, outcome, conversation)
+        await self._call((await self._shard(claim.session_id)).end_turn.remote(claim.lease_id, outcome, conversation))
 
     async def drop_engine(self, engine_id: str) -> int:
-        return sum(await asyncio.gather(*(a.drop_engine.remote(engine_id) for a in self._actors)))
+        actors = await self._shards()
+        return sum(await asyncio.gather(*(self._call(a.drop_engine.remote(engine_id)) for a in actors)))
 
     async def stats(self) -> dict:
-        shards = await asyncio.gather(*(a.stats.remote() for a in self._actors))
+        actors = await self._shards()
+        shards = await asyncio.gather(*(self._call(a.stats.remote()) for a in actors))
         return {"shards": shards}

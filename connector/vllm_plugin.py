@@ -20,6 +20,16 @@ interval for a new request instead of 1 ms. A request that arrives wakes it at o
 latency is unchanged; transfer completions are polled at that interval, which only
 delays the release of blocks whose reader is already done. Requests waiting for remote
 KV count as waiting: the engine keeps its fast loop while a pull is in flight.
+
+3. The engine's lifetime (`KVTURN_OWNER_PID`). vLLM runs the engine core in a child
+process of the replica (and, with several workers, workers below it). Signals that reach
+those processes first (SIGINT to the process group, then SIGTERM and `ray stop --force`)
+were seen to leave them running, re-parented to init and ignoring SIGTERM. In every vLLM
+process other than the owner (the replica process named by the variable) a daemon thread
+watches the owner: once it is gone, or this process was re-parented (its parent died),
+it SIGKILLs this process's children and then itself. No parent-death signal
+(`PR_SET_PDEATHSIG`): it fires when the parent *thread* that spawned the process exits,
+and the replica may start its engine from a short-lived thread.
 """
 
 from __future__ import annotations
@@ -27,11 +37,16 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
+import threading
+import time
 
 ENV_IDLE_POLL_MS = "KVTURN_IDLE_POLL_MS"
 ENV_NIXL_PROGRESS_DELAY_US = "KVTURN_NIXL_PROGRESS_DELAY_US"
+ENV_OWNER_PID = "KVTURN_OWNER_PID"
 ENV_WORKER_INFO = "KVTURN_WORKER_INFO"
 WORKER_THREADS = "kvturn_omp_threads"
+GUARD_POLL_S = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +59,15 @@ def register() -> None:
     delay_us = _number(ENV_NIXL_PROGRESS_DELAY_US)
     if delay_us:
         patch_nixl_progress_delay(int(delay_us))
+    owner = _number(ENV_OWNER_PID)
+    if owner:
+        guard_lifetime(int(owner))
     if os.environ.get(ENV_WORKER_INFO) == "1":
         install_worker_info()
+    # Early release of decode-pinned blocks and block counts (connector.release).
+    from connector import release
+
+    release.register()
 
 
 def _number(name: str) -> float | None:
@@ -131,6 +153,66 @@ def wait_for_request(core, timeout_s: float) -> None:
     except queue.Empty:
         return
     core._handle_client_request(*request)
+
+
+_guard: tuple[int, threading.Thread] | None = None
+"""(pid of the process that started it, the thread): a forked child starts its own."""
+
+
+def guard_lifetime(owner_pid: int, poll_s: float = GUARD_POLL_S) -> threading.Thread | None:
+    """In a process below `owner_pid` (not the owner itself), start once a daemon thread
+    that kills this process tree when the owner dies or this process is re-parented.
+    Returns the thread (None in the owner). Checks every `poll_s`: a process tree
+    outlives its owner by at most that, plus the time to kill it."""
+    global _guard
+    me = os.getpid()
+    if owner_pid == me:
+        return None
+    if _guard is not None and _guard[0] == me and _guard[1].is_alive():
+        return _guard[1]
+    thread = threading.Thread(
+        target=_watch, args=(owner_pid, os.getppid(), poll_s), name="kvturn-lifetime-guard", daemon=True
+    )
+    thread.start()
+    _guard = (me, thread)
+    return thread
+
+
+def owner_gone(owner_pid: int, parent_pid: int) -> bool:
+    """The owner process no longer exists, or this process's parent changed (it died and
+    this process was re-parented to init or a subreaper)."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        os.kill(owner_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _watch(owner_pid: int, parent_pid: int, poll_s: float) -> None:
+    while not owner_gone(owner_pid, parent_pid):
+        time.sleep(poll_s)
+    logger.warning("owner process %d is gone: killing vLLM process %d and its children", owner_pid, os.getpid())
+    kill_tree()
+
+
+def kill_tree() -> None:
+    """SIGKILL every descendant of this process, then this process."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # psutil missing or the tree changed under us: kill ourselves anyway
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except Exception:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install_worker_info(worker_class: type | None = None) -> None:

@@ -58,6 +58,7 @@ class FakeEngines:
         self.decode_replicas = list(decode_replicas)
         self.dead: set[str] = set()
         self.broken: set[str] = set()  # raise before any output
+        self.prefill_failures = 0  # the next this many prefill calls raise
         self.fail_mid_stream = False
         self.keeps_kv = keeps_kv
         self.eos = eos
@@ -71,6 +72,10 @@ class FakeEngines:
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
         self.prefill_requests.append(request)
+        if self.prefill_failures:
+            self.prefill_failures -= 1
+            await asyncio.sleep(0)
+            raise RuntimeError("prefill replica died")
         prompt = request.prompt_token_ids
         kv = request.kv_params or {}
         cached = 0
@@ -499,9 +504,11 @@ async def test_decode_failure_settles_the_claim_as_failed(model_dir):
     rig.engines.fail_mid_stream = True
     events = rig.turns.run(rig.input(text=P1 + text1 + USER2))
     got = []
-    with pytest.raises(RuntimeError, match="mid-stream"):
+    with pytest.raises(APIError) as err:  # a clear error for the client, not a bare 500
         async for event in events:
             got.append(event)
+    assert (err.value.status, err.value.code, err.value.type) == (502, "decode_failed", "server_error")
+    assert rig.turns.counts["decode_failed"] == 1
     assert len(got) == 1 and isinstance(got[0], Delta)  # the first chunk went out
     assert rig.engines.pulls  # prefill had pulled before decode failed
     session, outcome, conv = rig.store.ended[-1]
@@ -551,22 +558,36 @@ async def test_decode_retried_when_preferred_replica_fails_before_output(model_d
     assert rig.store.ended[-1][2].handle.engine_id == "d-decode-1"
 
 
-async def test_decode_not_retried_without_preferred_replica(model_dir):
+async def test_decode_failing_twice_before_output_is_a_502(model_dir):
     rig = Rig(model_dir)
     rig.engines.broken.update(["decode-0", "decode-1"])
-    with pytest.raises(RuntimeError, match="gone"):
+    with pytest.raises(APIError) as err:
         await rig.turn(text=P1)
-    assert len(rig.engines.decode_requests) == 1
-    assert rig.turns.counts["decode_retried"] == 0
+    assert (err.value.status, err.value.code) == (502, "decode_failed")
+    assert len(rig.engines.decode_requests) == 2
+    assert rig.turns.counts["decode_retried"] == 1 and rig.turns.counts["decode_failed"] == 1
     assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
     assert rig.store.stats()["open_leases"] == 0
+    # The next turn of the session, on a healthy replica, answers.
+    rig.engines.broken.clear()
+    _, ids, r = await rig.turn(text=P1)
+    assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1]
+
+
+async def test_decode_retried_without_preferred_replica(model_dir):
+    rig = Rig(model_dir)
+    rig.engines.broken.add("decode-0")
+    rig.engines._pick = lambda request: "decode-0" if not request.request_id.endswith("-retry") else "decode-1"
+    _, ids, r = await rig.turn(text=P1)
+    assert r.decode_replica == "decode-1" and rig.turns.counts["decode_retried"] == 1
+    assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1]
 
 
 async def test_decode_not_retried_after_output(model_dir):
     rig = Rig(model_dir)
     text1, _, _ = await rig.turn(text=P1)
     rig.engines.fail_mid_stream = True
-    with pytest.raises(RuntimeError):
+    with pytest.raises(APIError):
         await rig.turn(text=P1 + text1 + USER2)
     assert len(rig.engines.decode_requests) == 2
     assert rig.turns.counts["decode_retried"] == 0
@@ -797,3 +818,101 @@ async def test_single_mode_reports_no_prefill_leg(model_dir):
     rig = Rig(model_dir, mode="single")
     _, _, r = await rig.turn(text=P1)
     assert set(r.timings) == {"session_s", "first_token_s"}
+
+
+
+# -- faults: every one is a recompute or a clear error -----------------------------------------
+
+
+class FailingStore(LocalStore):
+    """The store seam with calls that raise (a shard restarting, a store redeploying)."""
+
+    def __init__(self, inner: HandleStore, failing: set[str]):
+        super().__init__(inner)
+        self.failing = failing
+
+    def _check(self, name: str) -> None:
+        if name in self.failing:
+            raise ConnectionError(f"store {name} unavailable")
+
+    async def match(self, prompt_ids, prompt_text=None):
+        self._check("match")
+        return await super().match(prompt_ids, prompt_text)
+
+    async def begin_turn(self, session_id):
+        self._check("begin_turn")
+        return await super().begin_turn(session_id)
+
+    async def end_turn(self, claim, outcome, conversation):
+        self._check("end_turn")
+        return await super().end_turn(claim, outcome, conversation)
+
+
+def failing_store_rig(model_dir, failing: set[str]) -> Rig:
+    rig = Rig(model_dir)
+    rig.store = FailingStore(rig.store.inner, failing)
+    rig.turns = Turns(rig.cfg, rig.engines, rig.store, FakeTokenizer())
+    return rig
+
+
+async def test_prefill_failure_is_retried_without_history(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.prefill_failures = 1
+    text2 = P1 + text1 + USER2
+    _, ids2, r2 = await rig.turn(text=text2)
+    failed, retry = rig.engines.prefill_requests[1:]
+    assert failed.kv_params["remote_engine_id"] is not None  # the failed leg offered history
+    assert retry.request_id == failed.request_id + "-recompute"
+    assert retry.kv_params["remote_engine_id"] is None  # the retry computes it all
+    assert rig.turns.counts["prefill_failed"] == 1 and rig.turns.counts["prefill_skipped"] == 0
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+    assert r2.reused_from_decode == 0 and r2.cached_tokens == 0
+    # Decode read the retried leg's KV; the offered history is settled as failed.
+    assert rig.engines.decode_requests[-1][0].kv_params["remote_engine_id"] == "p-0"
+    assert rig.store.ended[-1][1] is TurnOutcome.FAILED
+    assert rig.store.stats()["claimed_handles"] == 0
+
+
+async def test_prefill_failing_twice_leaves_decode_to_compute(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.prefill_failures = 2
+    _, ids2, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert len(rig.engines.prefill_requests) == 3
+    assert rig.turns.counts["prefill_failed"] == 1 and rig.turns.counts["prefill_skipped"] == 1
+    last_decode = rig.engines.decode_requests[-1][0]
+    assert last_decode.kv_params is None  # no transfer: decode computes the whole prompt
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+    assert r2.cached_tokens == 0
+    # The turn's own KV is stored: the next turn reuses again.
+    _, _, r3 = await rig.turn(text=P1 + text1 + USER2 + "".join(s for _, s in rig.engines.answer(len(r2.prompt_token_ids), MAX_TOKENS)) + USER3)
+    assert r3.reused_from_decode > 0
+
+
+async def test_store_unavailable_at_the_start_serves_the_turn_without_reuse(model_dir):
+    rig = failing_store_rig(model_dir, {"begin_turn"})
+    _, ids, r = await rig.turn(text=P1)
+    assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1]
+    assert rig.turns.counts["store_unavailable"] == 1 and rig.turns.counts["turns"] == 1
+    assert rig.store.ended == []  # nothing claimed, nothing to settle
+
+
+async def test_sessionless_match_failure_starts_a_new_session(model_dir):
+    rig = failing_store_rig(model_dir, {"match"})
+    _, ids, r = await rig.turn(text=P1, session=None)
+    assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1]
+    assert r.session_id.startswith("s-")
+    assert rig.turns.counts["store_unavailable"] == 1 and rig.turns.counts["sessionless_new"] == 1
+
+
+async def test_failed_closing_store_update_never_fails_a_finished_answer(model_dir):
+    rig = failing_store_rig(model_dir, {"end_turn"})
+    text, ids, r = await rig.turn(text=P1)
+    assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1] and r.finish_reason
+    assert rig.turns.counts["store_unavailable"] == 1 and rig.turns.counts["turns"] == 1
+    # The store recovers: the next turn has no handle (lost), recomputes, and is stored.
+    rig.store.failing.clear()
+    rig.store.inner.end_turn(1, TurnOutcome.UNUSED, None)  # the lease a real store would time out
+    _, _, r2 = await rig.turn(text=P1 + text + USER2)
+    assert r2.cached_tokens == 0 and rig.store.ended[-1][2] is not None

@@ -188,3 +188,74 @@ def test_idle_nixl_agents_do_not_spin():
     state, copied, cpu_seconds = out.stdout.split()[-3:]
     assert state == "DONE" and copied == "True"
     assert float(cpu_seconds) < 0.5  # over 2 s of idling
+
+
+# -- lifetime guard ------------------------------------------------------------------------
+
+_ENGINE = """
+import os, subprocess, sys, time
+from connector import vllm_plugin
+vllm_plugin.GUARD_POLL_S = 0.1
+vllm_plugin.register()  # reads KVTURN_OWNER_PID, as vLLM's plugin loader would
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(os.getpid(), worker.pid, flush=True)
+time.sleep(600)
+"""
+
+_OWNER = """
+import os, subprocess, sys
+os.environ["KVTURN_OWNER_PID"] = str(os.getpid())
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(engine.stdout.readline().strip(), flush=True)
+import time; time.sleep(600)
+"""
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _owner_with_engine():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, _ENGINE], stdout=subprocess.PIPE, text=True, cwd=repo, env={**__import__("os").environ, "PYTHONPATH": repo})
+    engine, worker = map(int, owner.stdout.readline().split())
+    return owner, engine, worker
+
+
+def test_engine_tree_dies_with_its_owner():
+    import signal
+
+    owner, engine, worker = _owner_with_engine()
+    time.sleep(0.5)
+    assert not _gone(engine, 0.3), "the guard must not fire while the owner lives"
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert _gone(engine, 5) and _gone(worker, 5)
+
+
+def test_guard_is_inert_in_the_owner(monkeypatch):
+    import os
+
+    assert vllm_plugin.guard_lifetime(os.getpid()) is None
+
+
+def test_owner_gone_sees_a_dead_owner_or_a_new_parent():
+    import os
+
+    assert not vllm_plugin.owner_gone(os.getppid(), os.getppid())
+    assert vllm_plugin.owner_gone(os.getppid(), os.getppid() + 1)  # re-parented
+    assert vllm_plugin.owner_gone(2**22 + 12345, os.getppid())  # no such process
