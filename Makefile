@@ -49,3 +49,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) models
+
+# Soak and fault run (not in CI): 64 sessions x 5 turns while replicas and a store shard
+# are killed; see bench/soak.py. SOAK_ARGS="--url http://host:8000" for a running app.
+.PHONY: soak
+soak: $(STAMP) $(MODEL_DIR)/config.json
+	UCX_NET_DEVICES=$${UCX_NET_DEVICES:-lo} $(PY) -m bench.soak $(SOAK_ARGS)

@@ -156,6 +156,33 @@ class IngressConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1)
 
 
+class AccessConfig(_Strict):
+    """Who may call the API and what it shows (`app.auth`)."""
+
+    api_keys: tuple[str, ...] = Field(
+        (),
+        description=(
+            "API keys (as vLLM's --api-key). When set, every HTTP route but /health needs "
+            "'Authorization: Bearer <key>', and each key's sessions live in a namespace of their own."
+        ),
+    )
+    expose_kv_stats: bool = Field(True, description="Serve GET /v1/kv/stats (reuse counters and the store's state).")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        if isinstance(value, str):  # `access.api_keys=k1,k2` from `serve run`
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _non_empty_keys(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not k or k != k.strip() for k in value):
+            raise ValueError("api keys must be non-empty and carry no surrounding spaces")
+        return value
+
+
 class AppConfig(_Strict):
     """Everything the app needs, validated before anything starts."""
 
@@ -176,6 +203,7 @@ class AppConfig(_Strict):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    access: AccessConfig = Field(default_factory=AccessConfig)
     app_name: str = Field("default", description="Serve application name the graph is deployed under.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment for engine replicas (e.g. UCX_NET_DEVICES, FI_PROVIDER)."

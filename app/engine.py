@@ -233,7 +233,7 @@ class VLLMEngine:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
             self.side_channel = (self._node_ip, port)
         args = engine_args(self._cfg, self._role, engine_id=self.engine_id, transfer=self._transfer)
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory(), *self._metrics_loggers()])
         # One ordinary request before any transfer: a CPU worker was seen to crash on its
         # first request after a NIXL read otherwise.
         warm = EngineRequest("warmup-" + uuid.uuid4().hex, tuple(range(1, 9)), Sampling(max_tokens=2))
@@ -262,6 +262,36 @@ class VLLMEngine:
             return None
         result = await self._llm.collective_rpc(vllm_plugin.WORKER_THREADS)
         return int(result[0]) if result else None
+
+    def _metrics_loggers(self) -> list:
+        """Stat loggers that export metrics through Ray (`app.metrics`): vLLM's own engine
+        metrics (`ray_vllm_*`) and this engine's KV blocks and NIXL reads (`ray_kvturn_engine_*`,
+        `ray_kvturn_nixl_*`)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        from app.metrics import EngineMetrics
+
+        engine_metrics = EngineMetrics(role=self.engine_id.split("-", 1)[0], engine_id=self.engine_id)
+
+        class _RayMetrics(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                self._blocks = vllm_config.cache_config.num_gpu_blocks
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is None:
+                    return
+                engine_metrics.record_step(
+                    kv_cache_usage=scheduler_stats.kv_cache_usage,
+                    num_blocks=self._blocks,
+                    running=scheduler_stats.num_running_reqs,
+                    transfer_stats=getattr(scheduler_stats, "kv_connector_stats", None),
+                )
+
+            def log_engine_initialized(self):
+                pass
+
+        return [RayPrometheusStatLogger, _RayMetrics]
 
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase

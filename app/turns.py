@@ -68,6 +68,9 @@ class TurnInput:
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     max_tokens_given: bool = True
+    namespace: str = ""
+    """Tenant prefix of session ids (`app.auth`): `session_id` already carries it; new
+    sessions get it and sessionless matches stay inside it. Results show ids without it."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,7 @@ class Turns:
             self.counts["prompt_tokens"] += len(prompt_ids)
             self.counts["cached_tokens"] += cached
             yield TurnResult(
-                session_id=session_id,
+                session_id=session_id.removeprefix(turn.namespace),
                 finish_reason=final.finish_reason or "stop",
                 prompt_token_ids=tuple(prompt_ids),
                 prompt_tokens=len(prompt_ids),
@@ -215,13 +218,15 @@ class Turns:
     async def _resolve_session(self, turn: TurnInput) -> tuple[str, tuple[int, ...] | None, Claim | None]:
         session_id, prompt_ids = turn.session_id, turn.prompt_ids
         if self._store is None:
-            return session_id or _new_session(), prompt_ids, None
+            return session_id or turn.namespace + _new_session(), prompt_ids, None
         if session_id is None and self._cfg.sessions.match_sessionless:
             if prompt_ids is None:
                 prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
             session_id, _ = await self._store_call(self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match")
+            if session_id is not None and not session_id.startswith(turn.namespace):
+                session_id = None  # another tenant's conversation: never matched across
             self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
-        session_id = session_id or _new_session()
+        session_id = session_id or turn.namespace + _new_session()
         # Store unavailable: the turn runs without reuse and is not stored.
         claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
         return session_id, prompt_ids, claim

@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-qwen3"
 PD_PORT = 8123
+METRICS_PORT = int(os.environ.get("KVTURN_TEST_METRICS_PORT", "8124"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,7 +62,15 @@ def ray_cluster():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # address="local": always a fresh cluster, never one another test left registered.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvturn-tests")
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="kvturn-tests",
+        # Prometheus metrics of the node (tests/e2e/test_metrics.py scrapes them).
+        _metrics_export_port=METRICS_PORT,
+    )
     yield
     from ray import serve
 

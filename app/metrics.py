@@ -1,0 +1,249 @@
+"""The app's Prometheus metrics, through Ray's metrics system.
+
+Every metric is a `ray.util.metrics` Counter, Gauge or Histogram, as Ray Serve and Ray
+Serve LLM do: each Ray node exports them in Prometheus format on its metrics export port
+(`ray start --metrics-export-port=8080`), beside Serve's own `ray_serve_*` metrics and
+vLLM's `ray_vllm_*` engine metrics (`VLLMEngine` adds vLLM's `RayPrometheusStatLogger`).
+Ray prefixes every name with `ray_` and counters get `_total`: `kvturn_tokens_pulled` is
+scraped as `ray_kvturn_tokens_pulled_total`. Ray flushes metrics every few seconds; they are tagged by
+Ray with the node and the worker process besides the tags below.
+
+Who records what:
+
+* `TurnMetrics` (one per ingress replica): per turn, at its end (`record_turn`): TTFT by
+  turn-index bucket and mode, prompt tokens pulled from decode / cached / computed, the
+  miss reason; the orchestration's event counters (`sync_events`: pull timeouts, retries,
+  drift, ...); the handle store's state (`StoreGauges`, polled); store call latency
+  (`TimedStore`, a wrapper of the store client).
+* `EngineMetrics` (one per engine, fed by vLLM's stat-logger hook in `app.engine`): KV
+  blocks in use (for a decode engine with nothing running: the blocks it pins for the
+  next turn's pull), running requests, NIXL reads, their bytes, seconds and failures.
+
+Creating and recording metrics is cheap and never raises when Ray is not initialised
+(unit tests): the calls are then no-ops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter as _Counts
+from typing import Any, Mapping, Sequence
+
+from ray.util import metrics as ray_metrics
+
+logger = logging.getLogger("ray.serve")
+
+TTFT_BOUNDARIES = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+STORE_BOUNDARIES = [0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
+TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
+STORE_POLL_S = 5.0
+
+
+def turn_bucket(index: int | None) -> str:
+    """Tag value of a turn index (1-based): 1, 2, 3-4, 5-8, 9-16, 17+; `unknown` if None."""
+    if index is None or index < 1:
+        return "unknown"
+    for upper, label in TURN_BUCKETS:
+        if index <= upper:
+            return label
+    return "17+"
+
+
+def chat_turn_index(messages: Sequence[Any]) -> int:
+    """The turn a chat request is in the conversation: assistant messages sent + 1."""
+    return 1 + sum(1 for m in messages if getattr(m, "role", None) == "assistant")
+
+
+class TurnMetrics:
+    """Turn-level metrics of one ingress replica. `record_turn` is called once per
+    finished turn (from the event loop; it never blocks)."""
+
+    def __init__(self, mode: str):
+        self._mode = mode
+        tags = ("mode", "turn")
+        self.turns = ray_metrics.Counter("kvturn_turns", "Turns answered.", tag_keys=tags)
+        self.ttft = ray_metrics.Histogram(
+            "kvturn_ttft_seconds",
+            "Time from a turn's arrival at the ingress to decode's first output.",
+            boundaries=TTFT_BOUNDARIES,
+            tag_keys=tags,
+        )
+        self.prompt_tokens = ray_metrics.Counter("kvturn_prompt_tokens", "Prompt tokens of answered turns.", tag_keys=tags)
+        self.pulled = ray_metrics.Counter(
+            "kvturn_tokens_pulled", "Prompt tokens of history prefill read from a decode engine over NIXL.", tag_keys=tags
+        )
+        self.cached = ray_metrics.Counter(
+            "kvturn_tokens_cached",
+            "Prompt tokens not computed in their turn (pulled plus local prefix hits; usage.cached_tokens).",
+            tag_keys=tags,
+        )
+        self.computed = ray_metrics.Counter("kvturn_tokens_computed", "Prompt tokens computed in their turn.", tag_keys=tags)
+        self.misses = ray_metrics.Counter(
+            "kvturn_kv_misses", "Turns that could not reuse the decode engine's KV, by reason.", tag_keys=("mode", "reason")
+        )
+        self.events = ray_metrics.Counter(
+            "kvturn_turn_events",
+            "The orchestration's event counters (pull_timeout, pull_short, decode_retried, drift_cut, spliced, ...).",
+            tag_keys=("event",),
+        )
+        self.pull_timeouts = ray_metrics.Counter(
+            "kvturn_pull_timeouts", "Prefill legs aborted past their pull deadline and recomputed."
+        )
+        self._synced: _Counts[str] = _Counts()
+
+    def record_turn(self, result: Any, turn_index: int | None) -> None:
+        """One finished turn (`app.turns.TurnResult`)."""
+        tags = {"mode": self._mode, "turn": turn_bucket(turn_index)}
+        self.turns.inc(1, tags=tags)
+        timings = result.timings or {}
+        if "first_token_s" in timings:
+            self.ttft.observe(timings["first_token_s"], tags=tags)
+        self.prompt_tokens.inc(result.prompt_tokens, tags=tags)
+        self.pulled.inc(result.reused_from_decode, tags=tags)
+        self.cached.inc(result.cached_tokens, tags=tags)
+        self.computed.inc(max(0, result.prompt_tokens - result.cached_tokens), tags=tags)
+        if result.miss_reason:
+            self.misses.inc(1, tags={"mode": self._mode, "reason": result.miss_reason})
+
+    def sync_events(self, counts: Mapping[str, int]) -> None:
+        """Export the growth of the orchestration's cumulative counters since the last call."""
+        for event, value in list(counts.items()):
+            grown = value - self._synced[event]
+            if grown <= 0:
+                continue
+            self._synced[event] = value
+            self.events.inc(grown, tags={"event": event})
+            if event == "pull_timeout":
+                self.pull_timeouts.inc(grown)
+
+
+class StoreGauges:
+    """The handle store's state as gauges, polled every `STORE_POLL_S` by a task of the
+    ingress replica's event loop (started by `ensure_polling` from a running loop)."""
+
+    def __init__(self):
+        self.handles = ray_metrics.Gauge("kvturn_store_handles", "Handles in the store by state.", tag_keys=("state",))
+        self.sessions = ray_metrics.Gauge("kvturn_store_sessions", "Conversations the store keeps.")
+        self.claimed = ray_metrics.Gauge("kvturn_store_claimed_handles", "Handles claimed by a turn in flight.")
+        self.pinned = ray_metrics.Gauge(
+            "kvturn_store_pinned_blocks", "Decode blocks the store counts as pinned, per engine.", tag_keys=("engine",)
+        )
+        self.exits = ray_metrics.Gauge(
+            "kvturn_store_handle_exits", "Handles that left the store, by exit (cumulative, per store).", tag_keys=("exit",)
+        )
+        self._task: asyncio.Task | None = None
+        self._seen_states: set[str] = set()
+
+    def ensure_polling(self, stats) -> None:
+        """Start polling `stats()` (an async callable returning the store client's stats)
+        unless a poll task runs already."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll(stats))
+
+    async def _poll(self, stats) -> None:
+        while True:
+            try:
+                self.update(await stats())
+            except Exception as exc:  # the store may restart: keep polling
+                logger.debug("store stats poll failed: %s", exc)
+            await asyncio.sleep(STORE_POLL_S)
+
+    def update(self, store_stats: Mapping[str, Any]) -> None:
+        """Set the gauges from `StoreClient.stats()` (`{"shards": [HandleStore.stats(), ...]}`)."""
+        shards = store_stats.get("shards") or [store_stats]
+        states: _Counts[str] = _Counts()
+        exits: _Counts[str] = _Counts()
+        pinned: _Counts[str] = _Counts()
+        sessions = claimed = 0
+        for shard in shards:
+            states.update(shard.get("handles") or {})
+            exits.update({k: v for k, v in (shard.get("counts") or {}).items() if isinstance(v, (int, float))})
+            pinned.update(shard.get("pinned_blocks") or {})
+            sessions += int(shard.get("sessions") or 0)
+            claimed += int(shard.get("claimed_handles") or 0)
+        for state in self._seen_states | set(states):
+            self.handles.set(states.get(state, 0), tags={"state": state})
+        self._seen_states |= set(states)
+        for name, value in exits.items():
+            self.exits.set(value, tags={"exit": name})
+        for engine, blocks in pinned.items():
+            self.pinned.set(blocks, tags={"engine": engine})
+        self.sessions.set(sessions)
+        self.claimed.set(claimed)
+
+
+class TimedStore:
+    """Wraps a store client: every awaited call is timed into `kvturn_store_op_seconds`
+    (tagged by operation), and failed calls are counted. Other attributes pass through."""
+
+    OPS = ("match", "begin_turn", "end_turn", "drop_engine", "stats")
+
+    def __init__(self, store):
+        self._store = store
+        self._latency = ray_metrics.Histogram(
+            "kvturn_store_op_seconds", "Latency of handle-store calls seen by the ingress.", boundaries=STORE_BOUNDARIES, tag_keys=("op",)
+        )
+        self._errors = ray_metrics.Counter("kvturn_store_op_errors", "Handle-store calls that failed.", tag_keys=("op",))
+
+    def __getattr__(self, name: str):
+        target = getattr(self._store, name)
+        if name not in self.OPS:
+            return target
+
+        async def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return await target(*args, **kwargs)
+            except BaseException:
+                self._errors.inc(1, tags={"op": name})
+                raise
+            finally:
+                self._latency.observe(time.perf_counter() - started, tags={"op": name})
+
+        return timed
+
+
+class EngineMetrics:
+    """One engine's metrics, fed by vLLM's stat-logger hook (`record_step`, once per
+    engine step in the replica's process; cheap, never blocks)."""
+
+    def __init__(self, role: str, engine_id: str):
+        self._tags = {"role": role, "engine": engine_id}
+        role_tags = ("role", "engine")
+        self.blocks_in_use = ray_metrics.Gauge(
+            "kvturn_engine_kv_blocks_in_use",
+            "KV blocks in use: running requests plus blocks held for transfer (with nothing running: the pinned blocks).",
+            tag_keys=role_tags,
+        )
+        self.blocks_total = ray_metrics.Gauge("kvturn_engine_kv_blocks", "KV blocks of the engine's cache.", tag_keys=role_tags)
+        self.running = ray_metrics.Gauge("kvturn_engine_running_requests", "Requests the engine is running.", tag_keys=role_tags)
+        self.transfers = ray_metrics.Counter("kvturn_nixl_transfers", "NIXL reads this engine made.", tag_keys=role_tags)
+        self.transfer_bytes = ray_metrics.Counter("kvturn_nixl_transfer_bytes", "Bytes this engine read over NIXL.", tag_keys=role_tags)
+        self.transfer_seconds = ray_metrics.Counter(
+            "kvturn_nixl_transfer_seconds", "Seconds this engine's NIXL reads took.", tag_keys=role_tags
+        )
+        self.failed_transfers = ray_metrics.Counter(
+            "kvturn_nixl_failed_transfers", "NIXL reads that failed.", tag_keys=role_tags
+        )
+
+    def record_step(self, *, kv_cache_usage: float, num_blocks: int | None, running: int, transfer_stats: Mapping | None) -> None:
+        """One scheduler step's stats: `kv_cache_usage` is the fraction of blocks in use,
+        `transfer_stats` the NixlConnector's stats of the step (or None)."""
+        if num_blocks:
+            self.blocks_total.set(num_blocks, tags=self._tags)
+            self.blocks_in_use.set(round(kv_cache_usage * num_blocks), tags=self._tags)
+        self.running.set(running, tags=self._tags)
+        if not isinstance(transfer_stats, Mapping):
+            return
+        durations = transfer_stats.get("transfer_duration") or []
+        if durations:
+            self.transfers.inc(len(durations), tags=self._tags)
+            self.transfer_seconds.inc(float(sum(durations)), tags=self._tags)
+        sent = int(sum(transfer_stats.get("bytes_transferred") or []))
+        if sent:
+            self.transfer_bytes.inc(sent, tags=self._tags)
+        failed = len(transfer_stats.get("num_failed_transfers") or [])
+        if failed:
+            self.failed_transfers.inc(failed, tags=self._tags)

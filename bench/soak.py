@@ -1,0 +1,381 @@
+"""Soak and fault run (`make soak`, not in CI): many concurrent multi-turn sessions while
+replicas and a store shard are killed, then what was left behind.
+
+    python -m bench.soak                          # own Ray cluster and app (tiny model)
+    python -m bench.soak --url http://host:8000   # a running app (kills need its Ray cluster)
+
+Load: `--sessions` (64) sessions x `--turns` (5) chat turns, all at once; half of them
+stream, and half (crossed with the first half) send no session header (the app matches
+their prompts). Each turn appends the answer and a tool result. New turns stop at
+`--duration-s`.
+
+Faults, at random points of the load (drawn by `--seed`, as fractions of all turns
+answered): one decode replica and one prefill replica are killed (`ray.kill` of their
+Serve replica actors, `SERVE_REPLICA::<app>#DecodeServer#...`, Serve replaces them) and
+one handle-store shard (restarted by Ray, its handles lost).
+
+Report (printed as markdown, written as JSON to `bench/results/`): requests, errors by
+kind, reuse (cached / prompt tokens of later turns, and the share of later turns that
+reused), handles left claimed after the load, pinned blocks on each decode engine after
+the decode TTL (the engine's own block pool: `DecodeServer.kv_blocks`), and vLLM engine
+processes left over (beyond live replicas while the app runs; all of them after the app
+and Ray are shut down, own cluster only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import wait_healthy
+from bench.runner import _replica_ids, engine_pids
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEM = "You are a build assistant. Call tools, read their results, answer briefly. " * 4
+TOOL = 'Tool result: {"status": "ok", "failed": [], "log": "' + "compiled module; " * 12 + '"}'
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    stream: bool
+    header: bool
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    config: dict
+    turns: list[Turn] = field(default_factory=list)
+    kills: list[dict] = field(default_factory=list)
+    claimed_handles_after_load: int | None = None
+    store_after_load: dict | None = None
+    pinned_blocks_after_ttl: dict | None = None
+    engine_processes_while_running: dict | None = None
+    engine_processes_after_shutdown: int | None = None
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        later = [t for t in self.turns if t.ok and t.turn > 1]
+        errors = Counter(t.error for t in self.turns if not t.ok)
+        return {
+            "requests": len(self.turns),
+            "ok": sum(t.ok for t in self.turns),
+            "errors": dict(errors),
+            "later_turns_ok": len(later),
+            "reuse_token_fraction": round(sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3),
+            "later_turns_reusing": round(sum(t.cached_tokens > 0 for t in later) / max(1, len(later)), 3),
+            "kills": self.kills,
+            "claimed_handles_after_load": self.claimed_handles_after_load,
+            "pinned_blocks_after_ttl": self.pinned_blocks_after_ttl,
+            "engine_processes_while_running": self.engine_processes_while_running,
+            "engine_processes_after_shutdown": self.engine_processes_after_shutdown,
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+# -- load -------------------------------------------------------------------------------
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list, rec: Turn, session_id: str | None) -> tuple[str | None, str | None]:
+    """Send one turn; fill `rec`. Returns (answer text, session id to send back)."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+    headers = {"x-session-id": session_id} if session_id else {}
+    started = time.monotonic()
+    try:
+        if not rec.stream:
+            r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+            if r.status_code != 200:
+                rec.error = f"http_{r.status_code}"
+                return None, session_id
+            data = r.json()
+            usage, text = data["usage"], data["choices"][0]["message"]["content"]
+        else:
+            body.update(stream=True, stream_options={"include_usage": True})
+            texts, usage, done = [], None, False
+            async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    rec.error = f"http_{r.status_code}"
+                    return None, session_id
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:
+                        rec.error = "stream_error:" + str(chunk["error"].get("type") or chunk["error"].get("code"))
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices", []):
+                        texts.append(choice.get("delta", {}).get("content") or "")
+            if rec.error:
+                return None, session_id
+            if not done or usage is None:
+                rec.error = "stream_cut"
+                return None, session_id
+            text = "".join(texts)
+    except httpx.HTTPError as exc:
+        rec.error = "transport:" + type(exc).__name__
+        return None, session_id
+    finally:
+        rec.seconds = time.monotonic() - started
+    rec.ok = True
+    rec.prompt_tokens = usage["prompt_tokens"]
+    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return text, session_id
+
+
+async def run_session(i: int, args, client, model: str, deadline: float, report: Report, done: list) -> None:
+    stream, header = i % 2 == 0, (i // 2) % 2 == 0
+    session_id = f"soak-{args.seed}-{i}" if header else None
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Session {i}: build target {i * 7919 % 1000} and fix what fails."}]
+    for t in range(1, args.turns + 1):
+        if time.monotonic() > deadline:
+            return
+        rec = Turn(session=i, turn=t, stream=stream, header=header)
+        report.turns.append(rec)
+        text, session_id = await one_turn(client, args.url, model, messages, rec, session_id)
+        done[0] += 1
+        if text is not None:
+            messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": TOOL}]
+
+
+# -- faults -----------------------------------------------------------------------------
+
+
+def kill_replica(app: str, deployment: str, rng: random.Random) -> dict:
+    import ray
+
+    ids = _replica_ids(app, deployment)
+    if not ids:
+        return {"target": deployment, "killed": None, "why": "no replica found"}
+    rid = rng.choice(sorted(ids))
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{rid}", namespace="serve"), no_restart=True)
+    return {"target": deployment, "killed": rid}
+
+
+def store_shards(app: str) -> list:
+    """Actor handles of the app's handle-store shards: from its `SessionStore` deployment,
+    else named actors whose name has 'store' and the app's name (older layouts)."""
+    import ray
+    from ray import serve
+
+    try:
+        _, shards = serve.get_deployment_handle("SessionStore", app).shards.remote().result(timeout_s=30)
+        return list(shards)
+    except Exception:
+        pass
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = (actor.get("name"), actor.get("namespace")) if isinstance(actor, dict) else (actor, None)
+        if name and "store" in name and app in name and not name.startswith("SERVE_"):
+            found.append(ray.get_actor(name, namespace=ns))
+    return found
+
+
+def kill_store_shard(app: str, rng: random.Random) -> dict:
+    import ray
+
+    shards = store_shards(app)
+    if not shards:
+        return {"target": "store", "killed": None, "why": "no store shard found"}
+    index = rng.randrange(len(shards))
+    ray.kill(shards[index], no_restart=False)  # Ray restarts it, empty
+    return {"target": "store", "killed": f"shard {index} of {len(shards)}"}
+
+
+async def fault_injector(args, report: Report, done: list, total: int, can_kill: bool) -> None:
+    rng = random.Random(args.seed)
+    plan = sorted((rng.uniform(0.1, 0.7), target) for target in ("DecodeServer", "PrefillServer", "store"))
+    for fraction, target in plan:
+        while done[0] < fraction * total:
+            await asyncio.sleep(0.2)
+        event = {"at_turns_answered": done[0], "at_s": round(time.monotonic() - report.config["t0"], 1)}
+        if not can_kill:
+            event.update(target=target, killed=None, why="no Ray cluster reachable")
+        else:
+            try:
+                result = kill_store_shard(args.app, rng) if target == "store" else kill_replica(args.app, target, rng)
+            except Exception as exc:
+                result = {"target": target, "killed": None, "why": repr(exc)}
+            event.update(result)
+        report.kills.append(event)
+        print(f"[soak] fault: {event}", flush=True)
+
+
+# -- what was left ----------------------------------------------------------------------
+
+
+def store_state(app: str) -> dict | None:
+    import ray
+
+    shards = []
+    for actor in store_shards(app):
+        try:
+            shards.append(ray.get(actor.stats.remote(), timeout=30))
+        except Exception as exc:
+            shards.append({"error": repr(exc)})
+    return {"shards": shards} if shards else None
+
+
+def decode_blocks(app: str) -> dict:
+    """Per live decode replica: its engine's block pool (`kv_blocks`), or the engine stats'
+    usage fraction if the replica has no `kv_blocks`."""
+    from ray import serve
+
+    from app.engine import ReplicaQuery
+
+    handle = serve.get_deployment_handle("DecodeServer", app)
+    out = {}
+    for rid in _replica_ids(app, "DecodeServer"):
+        try:
+            try:
+                blocks = handle.kv_blocks.remote(ReplicaQuery(rid)).result(timeout_s=60)
+            except Exception:  # an app without DecodeServer.kv_blocks
+                blocks = None
+            if blocks is not None:
+                out[rid] = {k: blocks[k] for k in ("total", "free", "pinned", "pinned_requests") if k in blocks}
+                continue
+            stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)
+            out[rid] = {"kv_cache_usage": stats.get("kv_cache_usage")}
+        except Exception as exc:
+            out[rid] = {"error": repr(exc)}
+    return out
+
+
+def engine_processes(app: str) -> dict:
+    live = len(_replica_ids(app, "DecodeServer")) + len(_replica_ids(app, "PrefillServer"))
+    running = len(engine_pids())
+    return {"engine_processes": running, "live_engine_replicas": live, "beyond_live_replicas": max(0, running - live)}
+
+
+# -- driver -----------------------------------------------------------------------------
+
+
+def soak_config(args):
+    from app.config import AppConfig
+
+    model = str(Path(__file__).resolve().parent.parent / "models" / "tiny-qwen3")
+    return AppConfig.model_validate(
+        {
+            "mode": "bidir",
+            "model": model,
+            "enforce_eager": True,
+            "max_model_len": 4096,
+            "default_max_tokens": 16,
+            "prefill": {"num_cpus": 0.5, "num_replicas": args.prefill_replicas, "enable_prefix_caching": False, "kv_cache_memory_bytes": 256 << 20},
+            "decode": {"num_cpus": 0.5, "num_replicas": args.decode_replicas, "kv_cache_memory_bytes": 256 << 20},
+            "transfer": {"kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": args.decode_ttl_s, "pull_timeout_s": 15},
+            "sessions": {"handle_ttl_s": args.decode_ttl_s * 0.75},
+            "app_name": args.app,
+            "env": {"OMP_NUM_THREADS": "1"},
+        }
+    )
+
+
+async def drive(args, report: Report, can_kill: bool) -> None:
+    await wait_healthy(args.url, timeout_s=900)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=args.sessions * 2)) as client:
+        model = (await client.get(args.url + "/v1/models", headers={})).json()["data"][0]["id"]
+        done = [0]
+        report.config["t0"] = time.monotonic()
+        deadline = report.config["t0"] + args.duration_s
+        total = args.sessions * args.turns
+        injector = asyncio.create_task(fault_injector(args, report, done, total, can_kill))
+        await asyncio.gather(*(run_session(i, args, client, model, deadline, report, done) for i in range(args.sessions)))
+        injector.cancel()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running app (default: deploy one on an own Ray cluster)")
+    p.add_argument("--app", default="soak", help="Serve application name (faults look its replicas up)")
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--duration-s", type=float, default=300.0, help="no new turn starts after this")
+    p.add_argument("--decode-ttl-s", type=float, default=60.0, help="own app: decode pin time (pinned blocks are read after it)")
+    p.add_argument("--prefill-replicas", type=int, default=1)
+    p.add_argument("--decode-replicas", type=int, default=2)
+    p.add_argument("--port", type=int, default=8197)
+    p.add_argument("--metrics-port", type=int, default=8198)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    started = time.monotonic()
+    report = Report(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    own = args.url is None
+    if own:
+        from app.builder import build
+
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=args.metrics_port)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        args.url = f"http://127.0.0.1:{args.port}"
+        serve.run(build(soak_config(args)), name=args.app, route_prefix="/")
+        print(f"[soak] app running after {time.monotonic() - started:.0f} s", flush=True)
+        can_kill = True
+    else:
+        try:
+            ray.init(address="auto", log_to_driver=False)
+            can_kill = True
+        except Exception:
+            can_kill = False
+    try:
+        asyncio.run(drive(args, report, can_kill))
+        print(f"[soak] load done: {len(report.turns)} requests", flush=True)
+        if can_kill:
+            time.sleep(3)  # closing store updates of the last turns
+            report.store_after_load = store_state(args.app)
+            shards = (report.store_after_load or {}).get("shards", [])
+            report.claimed_handles_after_load = sum(int(s.get("claimed_handles") or 0) for s in shards)
+            wait = args.decode_ttl_s + 15
+            print(f"[soak] waiting {wait:.0f} s (decode TTL) before reading pinned blocks", flush=True)
+            time.sleep(wait)
+            report.pinned_blocks_after_ttl = decode_blocks(args.app)
+            report.engine_processes_while_running = engine_processes(args.app)
+    finally:
+        if own:
+            ours = engine_pids()
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and ours & engine_pids():
+                time.sleep(1)
+            report.engine_processes_after_shutdown = len(ours & engine_pids())
+    report.wall_s = time.monotonic() - started
+    summary = report.summary()
+    out = args.out or RESULTS / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report.config.pop("t0", None)
+    out.write_text(json.dumps({"summary": summary, "config": report.config, "turns": [asdict(t) for t in report.turns], "store_after_load": report.store_after_load}, indent=1))
+    print("\n| figure | value |\n| --- | --- |")
+    for key, value in summary.items():
+        print(f"| {key} | {json.dumps(value)} |")
+    print(f"\nwritten: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
