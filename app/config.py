@@ -117,6 +117,26 @@ class TransferConfig(_Strict):
     side_channel_base_port: int = Field(
         5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each node; each replica takes a free one."
     )
+    pin_margin_s: float = Field(
+        6.0,
+        ge=0,
+        description=(
+            "A pull of history must be expected to end this long before the decode engine's pin "
+            "of it does (vLLM's prefill declines reads within 5 s of it). A pull that cannot is "
+            "not started (recompute), and a leg still waiting at that point is aborted and "
+            "recomputed (counted as pull_deadline)."
+        ),
+    )
+    host_offload_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description=(
+            "GPU engines: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (a "
+            "MultiConnector): blocks leaving the accelerator stay in the engine's prefix cache in "
+            "host memory, so a turn after a long pause or an early release reloads them locally. "
+            "None: off. Not supported on CPU engines (their KV already is host memory)."
+        ),
+    )
 
 
 class SessionConfig(_Strict):
@@ -138,7 +158,31 @@ class SessionConfig(_Strict):
     )
     max_sessions: int = Field(10_000, ge=1, description="Conversations kept (LRU); older ones lose their handle.")
     max_pinned_blocks_per_engine: int = Field(
-        1_000_000, ge=1, description="Blocks the store lets one decode engine keep pinned for waiting sessions."
+        1_000_000,
+        ge=1,
+        description=(
+            "Blocks the store lets one decode engine keep pinned for waiting sessions, until the "
+            "engine's real block count is known (then pinned_fraction of it)."
+        ),
+    )
+    pinned_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "Share of a decode engine's KV blocks that waiting conversations may keep pinned; "
+            "past it the least recently used handle is evicted and its blocks freed at once, "
+            "so running requests always have room."
+        ),
+    )
+    release_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "How often an ingress replica collects the handles the store let go unread (expired "
+            "while no turn came) and asks their decode engines to free the blocks now. Turns "
+            "and session deletes release at once."
+        ),
     )
     store_shards: int = Field(1, ge=1, description="Ray actors holding handles, sharded by session.")
     store_resources: dict[str, float] = Field(

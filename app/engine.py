@@ -11,12 +11,12 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 from app.config import AppConfig, EngineRoleConfig, Mode
 from app.registry import NodeRegistry
 from app.sizing import CpuPlan
-from connector import vllm_plugin
+from connector import release, vllm_plugin
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,12 @@ class PromptTokenCounts:
     transfer_s: float = 0.0
     transfer_bytes: int = 0
     failed_transfers: int = 0
+    expired_pins: int = 0
+    """Pins the NixlConnector let go unread: expired or released early (decode), and
+    reads declined because the owner's blocks were (nearly) expired (prefill)."""
+    reads_after_release: int = 0
+    """Reads of this engine's blocks reported after it had freed them: a reader got
+    blocks another request may own. Must stay 0."""
 
     def add_transfers(self, stats: dict) -> None:
         """Fold in the NixlConnector's transfer stats of one scheduler step."""
@@ -90,12 +96,29 @@ class PromptTokenCounts:
         self.transfer_s += float(sum(durations))
         self.transfer_bytes += int(sum(stats.get("bytes_transferred") or []))
         self.failed_transfers += len(stats.get("num_failed_transfers") or [])
+        self.expired_pins += len(stats.get("num_kv_expired_reqs") or [])
+        self.reads_after_release += len(stats.get("num_notifications_after_expiry") or [])
 
     def add(self, computed: int, local: int, external: int, total: int) -> None:
         self.computed += computed
         self.local_cache_hit += local
         self.external_kv_transfer += external
         self.total += total
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """An engine's KV blocks, read from its scheduler's own block pool.
+
+    `total` usable blocks; `free` blocks a new request can get (free or evictable
+    prefix-cache blocks); `pinned` blocks held by finished requests for a transfer (on
+    decode: each conversation's last turn, kept for the next turn's pull);
+    `pinned_requests` how many such requests."""
+
+    total: int
+    free: int
+    pinned: int
+    pinned_requests: int
 
 
 class Engine(Protocol):
@@ -108,6 +131,15 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def counts(self) -> PromptTokenCounts: ...
+
+    async def kv_blocks(self) -> KVBlocks | None:
+        """The engine's block counts now; None if it cannot tell."""
+        ...
+
+    async def release(self, request_ids: Sequence[str]) -> list[str]:
+        """Free now the blocks pinned for these finished requests (no reader will come).
+        Returns the ids that were pinned here."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -179,6 +211,10 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
                 "decoder_kv_blocks_ttl": cfg.transfer.decoder_kv_blocks_ttl_s,
             },
         )
+        if cfg.transfer.host_offload_bytes:
+            if current_platform.is_cpu():
+                raise ValueError("transfer.host_offload_bytes needs accelerator engines: on CPU the KV cache already is host memory")
+            kv_transfer_config = with_host_offload(kv_transfer_config, cfg.transfer.host_offload_bytes)
     kwargs: dict[str, Any] = dict(
         model=cfg.model,
         tokenizer=cfg.tokenizer,
@@ -203,6 +239,36 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
     return AsyncEngineArgs(**kwargs)
 
 
+def with_host_offload(nixl, host_bytes: int):
+    """`nixl`'s KVTransferConfig inside a MultiConnector beside vLLM's OffloadingConnector
+    (CPU tier of `host_bytes` per engine): blocks the engine frees (turns released early,
+    pins that expired) stay in its prefix cache in host DRAM and load back locally at the
+    next turn, instead of being recomputed or read over NIXL. NIXL stays first: its
+    transfer params are the ones the turn's handles carry."""
+    from vllm.config import KVTransferConfig
+
+    child = lambda config: {  # noqa: E731
+        "kv_connector": config.kv_connector,
+        "kv_role": config.kv_role,
+        "kv_buffer_device": config.kv_buffer_device,
+        "kv_load_failure_policy": config.kv_load_failure_policy,
+        "kv_connector_extra_config": dict(config.kv_connector_extra_config),
+    }
+    offload = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_bytes)},
+    }
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        engine_id=nixl.engine_id,
+        kv_buffer_device=nixl.kv_buffer_device,
+        kv_load_failure_policy=nixl.kv_load_failure_policy,
+        kv_connector_extra_config={"connectors": [child(nixl), offload]},
+    )
+
+
 class VLLMEngine:
     """A vLLM `AsyncLLM` in this process (its engine core runs in a child process)."""
 
@@ -216,6 +282,8 @@ class VLLMEngine:
         self._llm = None
         self.side_channel: tuple[str, int] | None = None
         self.cpu_plan: CpuPlan | None = None
+        self.kv_blocks_total: int | None = None
+        """Usable KV blocks of the started engine (vLLM's `num_gpu_blocks` less its null block)."""
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -227,6 +295,7 @@ class VLLMEngine:
             # Read by connector.vllm_plugin in the engine's processes (0: leave vLLM/NIXL as is).
             os.environ[vllm_plugin.ENV_IDLE_POLL_MS] = str(self._cfg.transfer.idle_poll_ms)
             os.environ[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(self._cfg.transfer.nixl_progress_poll_ms * 1000))
+            os.environ[release.ENV_RELEASE] = "1"
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
             port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip
@@ -240,6 +309,8 @@ class VLLMEngine:
         async for _ in self.generate(warm):
             pass
         self._counts = PromptTokenCounts()
+        blocks = self._llm.vllm_config.cache_config.num_gpu_blocks
+        self.kv_blocks_total = blocks - 1 if blocks else None
 
     def _size_cpu(self) -> "CpuPlan | None":
         """On CPU, give the engine its own thread count and binding (`app.sizing`), unless
@@ -355,6 +426,24 @@ class VLLMEngine:
         if self._llm is not None:
             await self._llm.abort(request_id)
 
+    async def kv_blocks(self) -> KVBlocks | None:
+        """Block counts from the scheduler's block pool: a utility call to the engine
+        core (`connector.release`), answered between two steps."""
+        if self._llm is None or not self._transfer:
+            return None
+        counts = await self._llm.engine_core.call_utility_async(release.CORE_BLOCKS)
+        return KVBlocks(**counts)
+
+    async def release(self, request_ids: Sequence[str]) -> list[str]:
+        """Expire the send pins of `request_ids` in every worker (`connector.release`):
+        the engine's next step (within `transfer.idle_poll_ms` when idle) reports them
+        finished sending and the scheduler frees their blocks. Only for requests no
+        reader will pull any more: a pull already under way may read reused blocks."""
+        if self._llm is None or not request_ids:
+            return []
+        results = await self._llm.collective_rpc(release.WORKER_EXPIRE, args=(list(request_ids),))
+        return sorted({request_id for ids in results or () for request_id in ids})
+
     def counts(self) -> PromptTokenCounts:
         return self._counts
 
@@ -377,3 +466,4 @@ class EngineInfo:
     replica_id: str
     engine_id: str
     side_channel: tuple[str, int] | None
+    kv_blocks_total: int | None = None

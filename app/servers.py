@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import asdict
 from typing import AsyncIterator
 
 import ray
@@ -52,6 +53,7 @@ class EngineServer:
             replica_id=self.replica_id,
             engine_id=getattr(self._engine, "engine_id", self.replica_id),
             side_channel=getattr(self._engine, "side_channel", None),
+            kv_blocks_total=getattr(self._engine, "kv_blocks_total", None),
         )
 
     def stats(self, query: ReplicaQuery | None = None) -> dict:
@@ -75,6 +77,8 @@ class EngineServer:
             "kv_transfer_s": round(c.transfer_s, 4),
             "kv_transfer_bytes": c.transfer_bytes,
             "kv_failed_transfers": c.failed_transfers,
+            "kv_expired_pins": c.expired_pins,
+            "kv_reads_after_release": c.reads_after_release,
             **self._cpu_stats(),
         }
 
@@ -134,3 +138,25 @@ class DecodeServer(EngineServer):
         carries this replica's id, the last one the engine's final transfer params."""
         async for chunk in self._run(request):
             yield chunk, self.replica_id
+
+    async def kv_blocks(self, query: ReplicaQuery | None = None) -> dict | None:
+        """This replica's engine id and its KV blocks from the engine's own block pool
+        (`total`, `free`, `pinned`, `pinned_requests`); None if the engine cannot tell.
+        Pass a `ReplicaQuery` to reach a given replica."""
+        blocks = await self._engine.kv_blocks()
+        if blocks is None:
+            return None
+        return {"replica_id": self.replica_id, "engine_id": self.info().engine_id, **asdict(blocks)}
+
+    async def release(self, query: ReplicaQuery, request_ids: list[str]) -> list[str]:
+        """Free now the blocks this engine pins for `request_ids`: finished turns whose
+        handle the store let go unread (evicted, superseded, expired, dropped, session
+        ended). Called by the ingress with the replica that holds them in `query`.
+        Returns the ids released; ids not pinned here are ignored (already read or
+        expired, or another replica's when the router could not reach the wanted one).
+        Never raises: the blocks then stay pinned until the engine's own TTL."""
+        try:
+            return await self._engine.release(request_ids)
+        except Exception:
+            logger.exception("decode replica %s could not release %d pinned requests", self.replica_id, len(request_ids))
+            return []

@@ -27,6 +27,7 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
+from app.memory import DecodeMemory
 from app.protocol import APIError
 from connector.handle import KVHandle, WireError, prefill_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
@@ -132,6 +133,11 @@ class PrefillPace:
             return base_s
         return base_s + 2.0 * self.seconds_per_token * (self.tokens_in_flight + new_tokens)
 
+    def expected(self, new_tokens: int) -> float:
+        """Seconds a leg computing `new_tokens` (started now) is expected to take, the
+        legs ahead of it included (0 until a leg was measured)."""
+        return (self.seconds_per_token or 0.0) * (self.tokens_in_flight + new_tokens)
+
 
 class Turns:
     """Runs turns. One instance per ingress replica; safe for concurrent turns."""
@@ -143,21 +149,23 @@ class Turns:
         self._tok = tokenizer
         self.counts: Counter[str] = Counter()
         self.pace = PrefillPace()
+        self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
         started = time.monotonic()
         timings: dict[str, float] = {}
         session_id, prompt_ids, claim = await self._resolve_session(turn)
+        pin_deadline = self._pin_deadline(claim)
         outcome, new_conv = TurnOutcome.UNUSED, None
         try:
             conv = claim.conversation if claim else None
             prompt_ids, spliced = self._prompt_ids(turn, prompt_ids, conv)
             sampling = self._fit(turn, prompt_ids)
-            history, miss = await self._verified_history(claim, prompt_ids)
+            history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
             decode_params, cached, pulled = None, 0, 0
             if self._cfg.disaggregated:
-                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history)
+                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline)
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
@@ -188,6 +196,7 @@ class Turns:
             if not self._cfg.disaggregated:
                 cached = final.num_cached_tokens
             new_conv = self._conversation(session_id, turn, prompt_ids, generated, "".join(texts), final, replica)
+            await self.memory.learn_capacity(new_conv)
             self.counts["turns"] += 1
             self.counts["prompt_tokens"] += len(prompt_ids)
             self.counts["cached_tokens"] += cached
@@ -212,6 +221,7 @@ class Turns:
             if claim is not None and self._store is not None:
                 # Shielded: runs even when the client disconnects mid-stream.
                 await asyncio.shield(self._store_call(self._store.end_turn(claim, outcome, new_conv), None, "end_turn"))
+                self.memory.release_soon()
 
     # -- steps -------------------------------------------------------------------------
 
@@ -274,12 +284,29 @@ class Turns:
             return Sampling(**{**turn.sampling.__dict__, "max_tokens": room})
         return turn.sampling
 
-    async def _verified_history(self, claim: Claim | None, prompt_ids: Sequence[int]) -> tuple[KVHandle | None, str | None]:
+    def _pin_deadline(self, claim: Claim | None) -> float | None:
+        """When (this process's monotonic clock) a pull of the claimed handle must be done:
+        the decode engine's pin ends `claim.pin_remaining_s` after the claim, less
+        `transfer.pin_margin_s`. None: no handle, or the store does not know."""
+        remaining = getattr(claim, "pin_remaining_s", None) if claim is not None and claim.handle else None
+        if remaining is None:
+            return None
+        return time.monotonic() + remaining - self._cfg.transfer.pin_margin_s
+
+    async def _verified_history(
+        self, claim: Claim | None, prompt_ids: Sequence[int], pin_deadline: float | None = None
+    ) -> tuple[KVHandle | None, str | None]:
         if claim is None:
             return None, None
         if claim.handle is None:
             self.counts[f"miss_{claim.miss_reason}"] += 1
             return None, claim.miss_reason
+        if pin_deadline is not None:
+            new_tokens = len(prompt_ids) - min(claim.handle.num_tokens, len(prompt_ids) - 1)
+            if time.monotonic() + self.pace.expected(new_tokens) >= pin_deadline:
+                # The pull could not finish before decode lets the blocks go: recompute.
+                self.counts["miss_pin_deadline"] += 1
+                return None, "pin_deadline"
         conv = claim.conversation
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
             self.counts["miss_replica_gone"] += 1
@@ -295,13 +322,17 @@ class Turns:
         self.counts["handle_used"] += 1
         return handle, None
 
-    async def _prefill(self, turn: TurnInput, prompt_ids, history: KVHandle | None) -> tuple[dict | None, int, bool]:
+    async def _prefill(
+        self, turn: TurnInput, prompt_ids, history: KVHandle | None, pin_deadline: float | None = None
+    ) -> tuple[dict | None, int, bool]:
         """Run the prefill leg. Returns params for decode (None: decode computes all),
         the prompt tokens prefill did not compute, and whether the offered history was read.
 
         A leg that pulls history gets a deadline (`PrefillPace.deadline`: the pull's
         `transfer.pull_timeout_s` on top of the compute expected here); past it the call
-        is cancelled (the server aborts the engine request) and prefill recomputes."""
+        is cancelled (the server aborts the engine request) and prefill recomputes. The
+        deadline never passes `pin_deadline`, when the decode engine's pin ends (counted
+        as `pull_deadline` rather than `pull_timeout` when that is what cut it)."""
         request = EngineRequest(
             request_id=turn.request_id + "-prefill",
             prompt_token_ids=prompt_ids,
@@ -309,13 +340,15 @@ class Turns:
             kv_params=prefill_params(history),
         )
         new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
-        timeout = None
+        timeout, by_pin = None, False
         if history is not None:
             timeout = self.pace.deadline(new_tokens, self._cfg.transfer.pull_timeout_s)
+            if pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
+                timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
         try:
             final = await self._paced_prefill(request, new_tokens, timeout)
         except asyncio.TimeoutError:
-            self.counts["pull_timeout"] += 1
+            self.counts["pull_deadline" if by_pin else "pull_timeout"] += 1
             final = await self._recompute_prefill(request)
             history = None
             pull_ok = False

@@ -11,6 +11,10 @@
 * `chat`: the embedded model with the app's defaults, 1 session x 6 turns of ~300 new
   tokens, 16-token answers: the fixed cost of P/D per turn, as `make run` users see it.
 * `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
+* `pressure`: the `cpu` profile's model with a decode KV cache that holds about a third
+  of what its conversations would pin (8 sessions x 6 turns at concurrency 8, histories to
+  ~4k tokens, 512 MiB of KV per engine, pins capped at half of it): reuse under memory
+  pressure, evictions and early releases (the ingress's `released_*` counters).
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Profile:
     compute it expects for the leg's new tokens, so the default suits CPU runs too."""
     kv_buffer_device: str | None = "cpu"
     env: dict[str, str] = field(default_factory=dict)
+    sessions: dict[str, Any] = field(default_factory=dict)
+    """The app's `sessions.*` settings (e.g. `pinned_fraction`); empty: the app's defaults."""
 
     def with_overrides(self, **changes) -> "Profile":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -97,6 +103,8 @@ class Profile:
             "app_name": app_name,
             "env": dict(self.env),
         }
+        if self.sessions:
+            tree["sessions"] = dict(self.sessions)
         return AppConfig.model_validate(tree)
 
 
@@ -189,8 +197,22 @@ def profile(name: str) -> Profile:
             recompute_threshold_tokens=32,
             env=cpu_env(),
         )
+    if name == "pressure":
+        return Profile(
+            name="pressure",
+            model="bench-qwen3",
+            # ~24 KB of KV per token (float32): 512 MiB is ~680 blocks of 32 tokens, half of
+            # them for pins, while 8 conversations of ~4k tokens would pin ~1000.
+            workload=WorkloadSpec(sessions=8, turns=6, concurrency=8, system_tokens=600, user_tokens=200, tool_tokens=700, answer_tokens=32, tool_prob=0.7, seed=3),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=8192,
+            kv_cache_bytes=512 * MiB,
+            sessions={"pinned_fraction": 0.5},
+            env=cpu_env(),
+        )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke")
+PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure")
 MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))

@@ -820,6 +820,86 @@ async def test_single_mode_reports_no_prefill_leg(model_dir):
     assert set(r.timings) == {"session_s", "first_token_s"}
 
 
+# -- decode pin deadline (the claim's remaining pin time bounds the pull) --------------------
+
+
+def _with_pin(claim: Claim, seconds: float) -> Claim:
+    """`claim` as a store that knows the decode engine's pin time returns it."""
+    import dataclasses
+
+    values = {f.name: getattr(claim, f.name) for f in dataclasses.fields(claim)}
+    values["pin_remaining_s"] = seconds
+    if "pin_remaining_s" in {f.name for f in dataclasses.fields(Claim)}:
+        return Claim(**values)
+
+    @dataclasses.dataclass(frozen=True)
+    class PinnedClaim(Claim):
+        pin_remaining_s: float | None = None
+
+    return PinnedClaim(**values)
+
+
+class PinStore(LocalStore):
+    """Claims carry `pin_remaining_s` (seconds of decode pin left at claim time)."""
+
+    def __init__(self, inner: HandleStore, pin_remaining_s: float):
+        super().__init__(inner)
+        self.pin_remaining_s = pin_remaining_s
+
+    async def begin_turn(self, session_id: str) -> Claim:
+        return _with_pin(self.inner.begin_turn(session_id), self.pin_remaining_s)
+
+
+def pin_rig(model_dir, engines, pin_remaining_s: float, **overrides) -> Rig:
+    rig = Rig(model_dir, engines, **overrides)
+    rig.store = PinStore(rig.store.inner, pin_remaining_s)
+    rig.turns = Turns(rig.cfg, rig.engines, rig.store, FakeTokenizer())
+    return rig
+
+
+async def test_pull_not_started_when_the_pin_ends_too_soon(model_dir):
+    rig = pin_rig(model_dir, None, pin_remaining_s=5.0, **{"transfer.pin_margin_s": 6.0})
+    text1, _, _ = await rig.turn(text=P1)
+    out2, ids2, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert (out2, ids2) == expected_answer(rig.engines, len(r2.prompt_token_ids))
+    assert r2.miss_reason == "pin_deadline" and r2.reused_from_decode == 0
+    assert rig.turns.counts["miss_pin_deadline"] == 1
+    assert rig.engines.pulls == [] and rig.engines.prefill_requests[-1].kv_params == first_leg_params()
+    # Not read: the store lets the handle go (and the decode engine frees it now).
+    assert rig.store.ended[-1][1] is TurnOutcome.UNUSED
+
+
+async def test_pull_made_when_the_pin_leaves_time(model_dir):
+    rig = pin_rig(model_dir, None, pin_remaining_s=100.0, **{"transfer.pin_margin_s": 6.0})
+    text1, _, _ = await rig.turn(text=P1)
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert r2.miss_reason is None and r2.reused_from_decode > 0
+    assert rig.turns.counts["miss_pin_deadline"] == 0
+
+
+async def test_pull_refused_when_the_queue_ahead_outlasts_the_pin(model_dir):
+    rig = pin_rig(model_dir, PacedEngines(0.001), pin_remaining_s=7.0, max_model_len=1024, **{"transfer.pin_margin_s": 6.0})
+    p1 = LONG_SYSTEM + "USER: hello there\nASSISTANT:"
+    text1, _, _ = await rig.turn(text=p1)
+    assert rig.turns.pace.seconds_per_token is not None
+    rig.turns.pace.tokens_in_flight = 10_000  # ~10 s of legs ahead of this one, 1 s of pin left
+    _, _, r2 = await rig.turn(text=p1 + text1 + USER2)
+    assert r2.miss_reason == "pin_deadline" and r2.reused_from_decode == 0
+
+
+async def test_leg_still_waiting_at_the_pin_deadline_is_cut_and_recomputed(model_dir):
+    # pull_timeout_s alone would wait 30 s; the pin leaves 0.2 s past the margin.
+    rig = pin_rig(model_dir, PacedEngines(stall_pulls=True), pin_remaining_s=1.2, **{"transfer.pin_margin_s": 1.0})
+    text1, _, _ = await rig.turn(text=P1)
+    started = asyncio.get_running_loop().time()
+    out2, ids2, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert asyncio.get_running_loop().time() - started < 5.0
+    assert (out2, ids2) == expected_answer(rig.engines, len(r2.prompt_token_ids))
+    assert rig.engines.cancelled == 1
+    assert rig.turns.counts["pull_deadline"] == 1 and rig.turns.counts["pull_timeout"] == 0
+    assert rig.engines.prefill_requests[-1].kv_params == first_leg_params()
+    assert rig.store.ended[-1][1] is TurnOutcome.FAILED
+
 
 # -- faults: every one is a recompute or a clear error -----------------------------------------
 
