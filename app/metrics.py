@@ -12,9 +12,9 @@ Who records what:
 
 * `TurnMetrics` (one per ingress replica): per turn, at its end (`record_turn`): TTFT by
   turn-index bucket and mode, prompt tokens pulled from decode / cached / computed, the
-  miss reason; the orchestration's event counters (`sync_events`: pull timeouts, retries,
-  drift, ...); the handle store's state (`StoreGauges`, polled); store call latency
-  (`TimedStore`, a wrapper of the store client).
+  miss reason; and every `POLL_S` (`ensure_polling`) the orchestration's event counters
+  (`sync_events`: pull timeouts, retries, failed legs, ...) and the handle store's state
+  (`StoreGauges`). Store call latency: `TimedStore`, a wrapper of the store client.
 * `EngineMetrics` (one per engine, fed by vLLM's stat-logger hook in `app.engine`): KV
   blocks in use (for a decode engine with nothing running: the blocks it pins for the
   next turn's pull), running requests, NIXL reads, their bytes, seconds and failures.
@@ -38,7 +38,7 @@ logger = logging.getLogger("ray.serve")
 TTFT_BOUNDARIES = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
 STORE_BOUNDARIES = [0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
 TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
-STORE_POLL_S = 5.0
+POLL_S = 5.0
 
 
 def turn_bucket(index: int | None) -> str:
@@ -53,7 +53,7 @@ def turn_bucket(index: int | None) -> str:
 
 def chat_turn_index(messages: Sequence[Any]) -> int:
     """The turn a chat request is in the conversation: assistant messages sent + 1."""
-    return 1 + sum(1 for m in messages if getattr(m, "role", None) == "assistant")
+    return 1 + sum(1 for m in messages if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant")
 
 
 class TurnMetrics:
@@ -92,6 +92,26 @@ class TurnMetrics:
             "kvturn_pull_timeouts", "Prefill legs aborted past their pull deadline and recomputed."
         )
         self._synced: _Counts[str] = _Counts()
+        self.store = StoreGauges()
+        self._task: asyncio.Task | None = None
+
+    def ensure_polling(self, counts: Mapping[str, int], store_stats=None) -> None:
+        """Start (once: a task of the running loop) exporting every `POLL_S` the growth of `counts`
+        (the orchestration's counters: a failed turn reaches no `record_turn`) and, given
+        `store_stats` (an async callable returning the store client's stats), the store's
+        state. Called from the ingress's event loop."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll(counts, store_stats))
+
+    async def _poll(self, counts, store_stats) -> None:
+        while True:
+            self.sync_events(counts)
+            if store_stats is not None:
+                try:
+                    self.store.update(await store_stats())
+                except Exception as exc:  # the store may restart: keep polling
+                    logger.debug("store stats poll failed: %s", exc)
+            await asyncio.sleep(POLL_S)
 
     def record_turn(self, result: Any, turn_index: int | None) -> None:
         """One finished turn (`app.turns.TurnResult`)."""
@@ -120,8 +140,7 @@ class TurnMetrics:
 
 
 class StoreGauges:
-    """The handle store's state as gauges, polled every `STORE_POLL_S` by a task of the
-    ingress replica's event loop (started by `ensure_polling` from a running loop)."""
+    """The handle store's state as gauges (set by `TurnMetrics`'s poll)."""
 
     def __init__(self):
         self.handles = ray_metrics.Gauge("kvturn_store_handles", "Handles in the store by state.", tag_keys=("state",))
@@ -133,22 +152,7 @@ class StoreGauges:
         self.exits = ray_metrics.Gauge(
             "kvturn_store_handle_exits", "Handles that left the store, by exit (cumulative, per store).", tag_keys=("exit",)
         )
-        self._task: asyncio.Task | None = None
         self._seen_states: set[str] = set()
-
-    def ensure_polling(self, stats) -> None:
-        """Start polling `stats()` (an async callable returning the store client's stats)
-        unless a poll task runs already."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._poll(stats))
-
-    async def _poll(self, stats) -> None:
-        while True:
-            try:
-                self.update(await stats())
-            except Exception as exc:  # the store may restart: keep polling
-                logger.debug("store stats poll failed: %s", exc)
-            await asyncio.sleep(STORE_POLL_S)
 
     def update(self, store_stats: Mapping[str, Any]) -> None:
         """Set the gauges from `StoreClient.stats()` (`{"shards": [HandleStore.stats(), ...]}`)."""

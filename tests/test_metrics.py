@@ -59,6 +59,7 @@ def test_chat_turn_index_counts_assistant_messages():
     msgs = [SimpleNamespace(role=r) for r in ("system", "user", "assistant", "tool", "assistant", "user")]
     assert metrics.chat_turn_index(msgs) == 3
     assert metrics.chat_turn_index([SimpleNamespace(role="user")]) == 1
+    assert metrics.chat_turn_index([{"role": "user"}, {"role": "assistant"}, {"role": "user"}]) == 2
 
 
 def test_record_turn_splits_prompt_tokens():
@@ -94,19 +95,22 @@ def test_store_gauges_sum_shards_and_zero_states_that_left():
     assert g.handles.get(state="stored") == 0 and g.handles.get(state="claimed") == 0
 
 
-async def test_store_gauges_poll_in_the_background():
-    g = recording(metrics.StoreGauges())
+async def test_poll_exports_events_and_store_state_in_the_background():
+    m = recording(metrics.TurnMetrics("bidir"))
+    recording(m.store)
     calls = []
 
     async def stats():
         calls.append(1)
         return {"shards": [{"sessions": 7}]}
 
-    g.ensure_polling(stats)
-    g.ensure_polling(stats)  # one task only
+    counts = {"prefill_failed": 2}
+    m.ensure_polling(counts, stats)
+    m.ensure_polling(counts, stats)  # one task only
     await asyncio.sleep(0.05)
-    assert calls == [1] and g.sessions.get() == 7
-    g._task.cancel()
+    assert calls == [1] and m.store.sessions.get() == 7
+    assert m.events.get(event="prefill_failed") == 2
+    m._task.cancel()
 
 
 async def test_timed_store_times_calls_and_counts_failures():
