@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app import metrics
+from app.auth import ApiKeys, scoped
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
 from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -130,7 +132,10 @@ class Ingress:
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
-        self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), store, self._tok)
+        self._keys = ApiKeys(cfg.access.api_keys)
+        self._metrics = metrics.TurnMetrics(cfg.mode.value)
+        timed_store = metrics.TimedStore(store) if store is not None else None
+        self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), timed_store, self._tok)
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -152,7 +157,11 @@ class Ingress:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request):
+        try:
+            self._keys.namespace(request.headers.get("authorization"))
+        except APIError as exc:
+            return _error_response(exc)
         return {
             "object": "list",
             "data": [{"id": self._cfg.model_name, "object": "model", "created": 0, "owned_by": "kvturn"}],
@@ -167,12 +176,20 @@ class Ingress:
         return await self._http(request, CompletionRequest, self._completion_events, "text_completion")
 
     @api.get("/v1/kv/stats")
-    async def kv_stats(self) -> dict:
-        """Reuse counters: this ingress replica's turns, the handle store, the engines."""
+    async def kv_stats(self, request: Request):
+        """Reuse counters: this ingress replica's turns, the handle store, the engines.
+        404 when `access.expose_kv_stats` is off."""
+        try:
+            self._keys.namespace(request.headers.get("authorization"))
+            if not self._cfg.access.expose_kv_stats:
+                raise APIError(404, "Not Found", type="NotFoundError")
+        except APIError as exc:
+            return _error_response(exc)
         return await self.stats()
 
     async def _http(self, request: Request, model_cls, events, kind: str):
         try:
+            namespace = self._keys.namespace(request.headers.get("authorization"))
             raw = await request.body()
             try:
                 data = json.loads(raw)
@@ -182,7 +199,7 @@ class Ingress:
                 raise APIError(400, "the request body must be a JSON object")
             body = model_cls.model_validate(data)
             session_id = request.headers.get(self._cfg.sessions.session_header)
-            turn = self._prepare(body, session_id, events)
+            turn = self._prepare(body, session_id, events, namespace)
             if body.stream:
                 return StreamingResponse(self._sse(kind, body, turn), media_type="text/event-stream")
             result = await self._collect(kind, body, turn)
@@ -192,20 +209,22 @@ class Ingress:
 
     # -- handle methods -----------------------------------------------------------------
 
-    async def chat(self, body: dict, session_id: str | None = None) -> dict:
-        """Non-streaming chat completion for `DeploymentHandle` callers. Raises APIError."""
-        return await self._call(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id)
+    # Handle callers are trusted (`app.auth`); `api_key` makes them that key's tenant.
 
-    async def chat_stream(self, body: dict, session_id: str | None = None) -> AsyncIterator[dict]:
+    async def chat(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
+        """Non-streaming chat completion for `DeploymentHandle` callers. Raises APIError."""
+        return await self._call(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key)
+
+    async def chat_stream(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> AsyncIterator[dict]:
         """Streaming chat completion chunks (use `handle.options(stream=True)`)."""
-        async for chunk in self._call_stream(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id):
+        async for chunk in self._call_stream(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key):
             yield chunk
 
-    async def completions(self, body: dict, session_id: str | None = None) -> dict:
-        return await self._call(CompletionRequest, self._completion_events, "text_completion", body, session_id)
+    async def completions(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
+        return await self._call(CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key)
 
-    async def completions_stream(self, body: dict, session_id: str | None = None) -> AsyncIterator[dict]:
-        async for chunk in self._call_stream(CompletionRequest, self._completion_events, "text_completion", body, session_id):
+    async def completions_stream(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> AsyncIterator[dict]:
+        async for chunk in self._call_stream(CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key):
             yield chunk
 
     async def stats(self) -> dict:
@@ -214,14 +233,16 @@ class Ingress:
             out["store"] = await self._store.stats()
         return out
 
-    async def _call(self, model_cls, events, kind, body, session_id):
+    async def _call(self, model_cls, events, kind, body, session_id, api_key=None):
+        namespace = self._keys.handle_namespace(api_key)
         parsed = self._validate(model_cls, body)
-        turn = self._prepare(parsed, session_id, events)
+        turn = self._prepare(parsed, session_id, events, namespace)
         return await self._collect(kind, parsed, turn)
 
-    async def _call_stream(self, model_cls, events, kind, body, session_id):
+    async def _call_stream(self, model_cls, events, kind, body, session_id, api_key=None):
+        namespace = self._keys.handle_namespace(api_key)
         parsed = self._validate(model_cls, body)
-        turn = self._prepare(parsed, session_id, events)
+        turn = self._prepare(parsed, session_id, events, namespace)
         async for chunk in self._chunks(kind, parsed, turn):
             yield chunk
 
@@ -235,7 +256,7 @@ class Ingress:
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
-    def _prepare(self, body, session_id: str | None, events) -> TurnInput:
+    def _prepare(self, body, session_id: str | None, events, namespace: str = "") -> TurnInput:
         if body.model != self._cfg.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist.", type="NotFoundError", param="model", code="model_not_found")
         text, ids = events(body)
@@ -253,7 +274,8 @@ class Ingress:
         turn = TurnInput(
             request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
             sampling=sampling,
-            session_id=session_id,
+            session_id=scoped(namespace, session_id),
+            namespace=namespace,
             prompt_text=text,
             prompt_ids=ids,
             max_tokens_given=limit is not None,
@@ -269,6 +291,13 @@ class Ingress:
 
     def _completion_events(self, body: CompletionRequest):
         return body.prompt_text_or_ids()
+
+    def _record_turn(self, result: TurnResult, body) -> None:
+        """Metrics of a finished turn (`app.metrics`); starts the metrics poll."""
+        index = metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
+        self._metrics.record_turn(result, index)
+        self._metrics.sync_events(self._turns.counts)
+        self._metrics.ensure_polling(self._turns.counts, self._store.stats if self._store is not None else None)
 
     @staticmethod
     def _usage(result: TurnResult) -> dict:
@@ -302,6 +331,7 @@ class Ingress:
                 token_ids.extend(event.token_ids)
             else:
                 result = event
+        self._record_turn(result, body)
         text = "".join(texts)
         if kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": result.finish_reason, "logprobs": None}
@@ -340,6 +370,7 @@ class Ingress:
                     choice["token_ids"] = list(event.token_ids)
                 yield envelope([choice])
                 continue
+            self._record_turn(event, body)
             last = {"index": 0, "finish_reason": event.finish_reason}
             last.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
             extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}
