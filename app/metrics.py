@@ -120,10 +120,15 @@ class TurnMetrics:
         timings = result.timings or {}
         if "first_token_s" in timings:
             self.ttft.observe(timings["first_token_s"], tags=tags)
-        self.prompt_tokens.inc(result.prompt_tokens, tags=tags)
-        self.pulled.inc(result.reused_from_decode, tags=tags)
-        self.cached.inc(result.cached_tokens, tags=tags)
-        self.computed.inc(max(0, result.prompt_tokens - result.cached_tokens), tags=tags)
+        # Ray's Counter.inc refuses values <= 0: a turn that reused nothing adds nothing.
+        for counter, value in (
+            (self.prompt_tokens, result.prompt_tokens),
+            (self.pulled, result.reused_from_decode),
+            (self.cached, result.cached_tokens),
+            (self.computed, result.prompt_tokens - result.cached_tokens),
+        ):
+            if value > 0:
+                counter.inc(value, tags=tags)
         if result.miss_reason:
             self.misses.inc(1, tags={"mode": self._mode, "reason": result.miss_reason})
 
