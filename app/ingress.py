@@ -293,11 +293,15 @@ class Ingress:
         return body.prompt_text_or_ids()
 
     def _record_turn(self, result: TurnResult, body) -> None:
-        """Metrics of a finished turn (`app.metrics`); starts the metrics poll."""
-        index = metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
-        self._metrics.record_turn(result, index)
-        self._metrics.sync_events(self._turns.counts)
-        self._metrics.ensure_polling(self._turns.counts, self._store.stats if self._store is not None else None)
+        """Metrics of a finished turn (`app.metrics`); starts the metrics poll. Never
+        raises: metrics must not fail an answer."""
+        try:
+            index = metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
+            self._metrics.record_turn(result, index)
+            self._metrics.sync_events(self._turns.counts)
+            self._metrics.ensure_polling(self._turns.counts, self._store.stats if self._store is not None else None)
+        except Exception:
+            logger.exception("turn metrics failed")
 
     @staticmethod
     def _usage(result: TurnResult) -> dict:

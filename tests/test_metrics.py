@@ -24,6 +24,7 @@ class Recorder:
         return tuple(sorted((tags or {}).items()))
 
     def inc(self, value=1.0, tags=None):
+        assert value > 0, "Ray's Counter.inc refuses values <= 0"
         self.values[self._key(tags)] += value
 
     def set(self, value, tags=None):
