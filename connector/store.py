@@ -8,26 +8,50 @@ A session keeps one `Conversation`: the exact token sequence its decode engine h
 pinned blocks. A handle lives through
 
     STORED --claim--> CLAIMED --end_turn--> PULLED | UNUSED | FAILED
+       |                  `-- lease timeout --> EXPIRED
        |-- expiry --> EXPIRED        (our TTL, shorter than the decode engine's pin time)
-       |-- bounds --> EVICTED        (LRU by session count, or by blocks pinned per engine)
+       |-- bounds --> EVICTED        (LRU by sessions, bytes, or pinned blocks per engine)
        |-- next turn stored --> SUPERSEDED
-       `-- its decode replica died --> DROPPED
+       |-- its decode replica died --> DROPPED
+       `-- the client ended the session --> ENDED
 
-and every exit is counted. Blocks of a handle that left without being read stay pinned on
-the decode engine until its own TTL (`decoder_kv_blocks_ttl`); the store keeps counting
-them against that engine until then.
+and every exit is counted. Every handle that leaves unread (all exits but PULLED and
+DROPPED) becomes a `Release` in the store's outbox: `take_releases` hands them to the
+caller, which asks the decode engine to free those blocks now. Until then (or until the
+decode engine's own TTL, `decoder_kv_blocks_ttl`) the store counts them as pinned.
+
+Scale: every per-turn operation is O(1) or O(log n) in live sessions (expiry and leases
+in deadline order, pinned blocks counted incrementally), a sessionless `match` costs one
+walk of the prompt plus a bounded number of candidate checks, and a conversation costs
+about 4 bytes per token (ids kept as `array('i')`) plus its text.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
+import math
+import sys
 import time
+from array import array
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import islice
 from typing import Callable, Iterable, Sequence
 
 from connector.handle import KVHandle
+
+DEFAULT_MAX_STORE_BYTES = 4 << 30
+"""Bytes of conversations one store (shard) keeps by default before LRU eviction."""
+
+MATCH_FANOUT = 16
+"""Most recent candidates examined per index key in `match` (sessions whose stored
+tokens end on the very same block chain, e.g. identical prompts with short answers)."""
+
+_RECORD_OVERHEAD = 600
+"""Bytes a stored conversation costs besides its ids, text and handle blocks (record,
+index and LRU entries), as estimated for `stats()["bytes"]`."""
 
 
 class HandleState(str, enum.Enum):
@@ -40,6 +64,23 @@ class HandleState(str, enum.Enum):
     EVICTED = "evicted"
     SUPERSEDED = "superseded"
     DROPPED = "dropped"
+    ENDED = "ended"
+
+
+_TRANSITIONS: dict[HandleState, frozenset[HandleState]] = {
+    HandleState.STORED: frozenset(
+        {
+            HandleState.CLAIMED,
+            HandleState.EXPIRED,
+            HandleState.EVICTED,
+            HandleState.SUPERSEDED,
+            HandleState.DROPPED,
+            HandleState.ENDED,
+        }
+    ),
+    HandleState.CLAIMED: frozenset({HandleState.PULLED, HandleState.UNUSED, HandleState.FAILED, HandleState.EXPIRED}),
+}
+"""Allowed handle transitions; every other state is final."""
 
 
 class TurnOutcome(str, enum.Enum):
@@ -57,67 +98,289 @@ _OUTCOME_STATE = {
 }
 
 
-@dataclass(frozen=True)
 class Conversation:
-    """What one turn leaves for the next: the decode engine's view of the session."""
+    """What one turn leaves for the next: the decode engine's view of the session.
 
-    session_id: str
-    token_ids: tuple[int, ...]
-    prompt_len: int
-    text: str | None = None
-    """Rendered text that `token_ids` stand for, when known exactly (token-in/token-out)."""
-    handle: KVHandle | None = None
-    decode_replica: str | None = None
+    Immutable. `token_ids` reads as a tuple (what callers compute with); the ids are kept
+    compact (`compact_ids`, an `array('i')`, 4 bytes a token) and are pickled that way,
+    so the store keeps and ships them without converting: the tuple is built once, on
+    first read, in the process that reads it. An `array('i')` given to the constructor is
+    kept as is and must not be changed afterwards.
+    """
+
+    __slots__ = ("session_id", "prompt_len", "text", "handle", "decode_replica", "_ids", "_tuple")
+
+    def __init__(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        prompt_len: int,
+        text: str | None = None,
+        handle: KVHandle | None = None,
+        decode_replica: str | None = None,
+    ):
+        setter = object.__setattr__
+        setter(self, "session_id", session_id)
+        setter(self, "prompt_len", prompt_len)
+        setter(self, "text", text)
+        """Rendered text that `token_ids` stand for, when known exactly (token-in/token-out)."""
+        setter(self, "handle", handle)
+        setter(self, "decode_replica", decode_replica)
+        is_compact = isinstance(token_ids, array) and token_ids.typecode == "i"
+        setter(self, "_ids", token_ids if is_compact else None)
+        setter(self, "_tuple", None if is_compact else tuple(token_ids))
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        if self._tuple is None:
+            object.__setattr__(self, "_tuple", tuple(self._ids))
+        return self._tuple
+
+    @property
+    def compact_ids(self) -> array:
+        if self._ids is None:
+            object.__setattr__(self, "_ids", array("i", self._tuple))
+        return self._ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids) if self._ids is not None else len(self._tuple)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Conversation is immutable")
+
+    def __reduce__(self):
+        return (
+            Conversation,
+            (self.session_id, self.compact_ids, self.prompt_len, self.text, self.handle, self.decode_replica),
+        )
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Conversation):
+            return NotImplemented
+        return (
+            self.session_id == other.session_id
+            and self.prompt_len == other.prompt_len
+            and self.text == other.text
+            and self.handle == other.handle
+            and self.decode_replica == other.decode_replica
+            and self.compact_ids == other.compact_ids
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.session_id, self.prompt_len, self.num_tokens))
+
+    def __repr__(self) -> str:
+        return (
+            f"Conversation(session_id={self.session_id!r}, tokens={self.num_tokens}, "
+            f"prompt_len={self.prompt_len}, handle={self.handle!r}, decode_replica={self.decode_replica!r})"
+        )
 
 
 @dataclass(frozen=True)
 class Claim:
-    """Answer to `begin_turn`. `handle` is single-use: it is now CLAIMED for this lease."""
+    """Answer to `begin_turn`. `handle` is single-use: it is now CLAIMED for this lease.
+
+    `pin_remaining_s`: seconds, from the claim, until the decode engine lets the
+    handle's blocks go (its `decoder_kv_blocks_ttl` counted from when the turn was
+    stored); None without a handle. A pull that cannot finish within it must not start.
+    """
 
     lease_id: int
     session_id: str
     conversation: Conversation | None
     handle: KVHandle | None
     miss_reason: str | None = None
+    pin_remaining_s: float | None = None
 
 
-@dataclass
-class _Record:
-    conversation: Conversation
-    state: HandleState
-    stored_at: float
-    expires_at: float
-    chain_hashes: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class Release:
+    """A handle that left the store unread: its decode engine may free the blocks now."""
 
-
-@dataclass
-class _Lease:
-    session_id: str
-    handle: KVHandle | None
-    deadline: float
+    engine_id: str
+    request_id: str
+    decode_replica: str | None
+    num_blocks: int
+    reason: HandleState
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per full block, each covering every token before it."""
-    hashes, prev = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start : start + block_size])))
-        hashes.append(prev)
-    return hashes
+    """One hash per full block, each covering every token before it (this process only)."""
+    ids = _compact(token_ids)
+    return _token_chain(ids.tobytes(), block_size * ids.itemsize, len(ids) // block_size)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b`, given that the first `start` agree.
+
+    Same-typed sequences are compared a chunk at a time in C."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
+    i = start
+    if type(a) is type(b) and isinstance(a, (tuple, list, array)):
+        while i < n:
+            hi = min(i + 256, n)
+            if a[i:hi] != b[i:hi]:
+                break
+            i = hi
+        else:
+            return n
+    for j in range(i, n):
+        if a[j] != b[j]:
+            return j
     return n
+
+
+def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int], block_size: int) -> tuple[KVHandle, int]:
+    """Cap `handle` to the positions where the decode engine's tokens equal the new
+    prompt's, never the prompt's last token (prefill must compute at least one).
+
+    Returns the capped handle and how many held positions drift cut off.
+    """
+    held = tuple(held_ids)[: handle.num_tokens]
+    common = common_prefix_len(held, tuple(prompt_ids))
+    usable = min(common, len(prompt_ids) - 1)
+    drift = max(0, min(handle.num_tokens, len(prompt_ids) - 1) - usable)
+    return handle.capped(usable, block_size), drift
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+def _compact(token_ids: Sequence[int]) -> array:
+    if isinstance(token_ids, array) and token_ids.typecode == "i":
+        return token_ids
+    if isinstance(token_ids, Conversation):
+        return token_ids.compact_ids
+    return array("i", token_ids)
+
+
+def _token_chain(data: bytes, width: int, blocks: int, start: int = 0, prev: int = 0) -> list[int]:
+    """Chain hashes of blocks `start + 1 .. blocks` of `data` (`width` bytes a block),
+    continuing from `prev`, the hash of the first `start` blocks."""
+    out = []
+    for offset in range(start * width, blocks * width, width):
+        prev = hash((prev, data[offset : offset + width]))
+        out.append(prev)
+    return out
+
+
+def _text_chain(text: str, width: int, blocks: int, start: int = 0, prev: int = 0) -> list[int]:
+    out = []
+    for offset in range(start * width, blocks * width, width):
+        prev = hash((prev, text[offset : offset + width]))
+        out.append(prev)
+    return out
+
+
+class _Record:
+    """One stored conversation, compact: the store's own form of a `Conversation`."""
+
+    __slots__ = (
+        "session_id", "tokens", "prompt_len", "text", "handle", "decode_replica", "state",
+        "stored_at", "expires_at", "token_keys", "text_key", "chain", "text_chain", "nbytes",
+    )
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.session_id, self.tokens, self.prompt_len, self.text, self.handle, self.decode_replica)
+
+
+class _Lease:
+    __slots__ = ("session_id", "handle", "decode_replica", "stored_at", "deadline", "ended")
+
+    def __init__(self, session_id, handle, decode_replica, stored_at, deadline):
+        self.session_id = session_id
+        self.handle = handle
+        self.decode_replica = decode_replica
+        self.stored_at = stored_at
+        self.deadline = deadline
+        self.ended = False
+
+
+class _PinLedger:
+    """Blocks each decode engine keeps pinned for us, kept incrementally.
+
+    `waiting`: blocks of handles still STORED or CLAIMED; `unread`: blocks of handles
+    that left unread, until their release is taken or the decode engine's TTL frees
+    them. The outbox of releases is exactly the unread handles."""
+
+    def __init__(self, decoder_ttl_s: float, default_budget: int, pinned_fraction: float):
+        self._decoder_ttl = decoder_ttl_s
+        self._default_budget = default_budget
+        self._fraction = pinned_fraction
+        self.budgets: dict[str, int] = {}
+        self.waiting: Counter[str] = Counter()
+        self.unread: Counter[str] = Counter()
+        self._outbox: dict[tuple[str, str], tuple[Release, float]] = {}
+        self._deadlines: list[tuple[float, str, str]] = []  # heap; entries gone from the outbox are stale
+        self._gone: set[str] = set()
+
+    def budget(self, engine_id: str) -> int:
+        return self.budgets.get(engine_id, self._default_budget)
+
+    def set_capacity(self, engine_id: str, total_blocks: int) -> None:
+        self.budgets[engine_id] = math.floor(self._fraction * total_blocks)
+
+    def pinned(self, engine_id: str) -> int:
+        return self.waiting[engine_id] + self.unread[engine_id]
+
+    def engines(self) -> set[str]:
+        return {e for e, n in self.waiting.items() if n} | {e for e, n in self.unread.items() if n}
+
+    def hold(self, handle: KVHandle) -> None:
+        self.waiting[handle.engine_id] += handle.num_blocks
+
+    def let_go(self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float) -> None:
+        """A held handle leaves; unless it was read or its engine is gone, its release
+        goes to the outbox and its blocks stay counted until taken or freed by the TTL."""
+        self.waiting[handle.engine_id] -= handle.num_blocks
+        if reason not in (HandleState.PULLED, HandleState.DROPPED):
+            self.unread_handle(handle, reason, stored_at, decode_replica, now)
+
+    def unread_handle(self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float) -> None:
+        """A handle nobody will read (held or never stored): release it."""
+        freed_at = stored_at + self._decoder_ttl
+        key = (handle.engine_id, handle.request_id)
+        if handle.engine_id in self._gone or freed_at <= now or key in self._outbox:
+            return
+        release = Release(handle.engine_id, handle.request_id, decode_replica, handle.num_blocks, reason)
+        self._outbox[key] = (release, freed_at)
+        heapq.heappush(self._deadlines, (freed_at, *key))
+        self.unread[handle.engine_id] += handle.num_blocks
+
+    def take(self) -> list[Release]:
+        out = [release for release, _ in self._outbox.values()]
+        for release in out:
+            self.unread[release.engine_id] -= release.num_blocks
+        self._outbox.clear()
+        return out
+
+    def sweep(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            freed_at, *key = heapq.heappop(self._deadlines)
+            entry = self._outbox.get(tuple(key))
+            if entry is not None and entry[1] == freed_at:
+                del self._outbox[tuple(key)]
+                self.unread[entry[0].engine_id] -= entry[0].num_blocks
+
+    def forget_engine(self, engine_id: str) -> None:
+        """The engine is gone: nothing of it is pinned or to be released any more."""
+        self._gone.add(engine_id)
+        for key in [k for k in self._outbox if k[0] == engine_id]:
+            del self._outbox[key]
+        self.unread[engine_id] = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._outbox)
 
 
 class HandleStore:
     """Bounded, expiring map of session -> latest conversation and its KV handle.
 
     Called from one thread at a time (the actor serialises calls). Nothing blocks.
+    Expiry and lease deadlines are kept in insertion order, which is deadline order
+    because their TTLs are uniform and `clock` is monotonic.
     """
 
     def __init__(
@@ -129,23 +392,37 @@ class HandleStore:
         max_blocks_per_engine: int,
         index_block_size: int = 32,
         lease_timeout_s: float = 600.0,
+        pinned_fraction: float = 0.5,
+        max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
+        text_block_chars: int = 64,
+        match_fanout: int = MATCH_FANOUT,
         clock: Callable[[], float] = time.monotonic,
     ):
         if handle_ttl_s >= decoder_ttl_s:
             raise ValueError("handle_ttl_s must be shorter than the decode engine's pin time")
+        if not 0 < pinned_fraction <= 1:
+            raise ValueError("pinned_fraction must be in (0, 1]")
         self._ttl = handle_ttl_s
         self._decoder_ttl = decoder_ttl_s
         self._max_sessions = max_sessions
-        self._max_blocks = max_blocks_per_engine
+        self._max_bytes = max_store_bytes
         self._block = index_block_size
+        self._text_block = text_block_chars
+        self._fanout = match_fanout
         self._lease_timeout = lease_timeout_s
         self._clock = clock
         self._records: OrderedDict[str, _Record] = OrderedDict()  # LRU order
-        self._index: dict[int, set[str]] = {}
-        self._leases: dict[int, _Lease] = {}
+        self._bytes = 0
+        self._expiring: OrderedDict[str, _Record] = OrderedDict()  # STORED handles, by expiry
+        self._stored_on: dict[str, dict[str, None]] = {}  # engine -> STORED sessions, oldest first
+        self._token_index: dict[int, dict[str, None]] = {}  # chain hash -> sessions, oldest first
+        self._text_index: dict[int, dict[str, None]] = {}
+        self._leases: OrderedDict[int, _Lease] = OrderedDict()  # by deadline
+        self._open: dict[str, set[int]] = {}  # session -> its open leases
         self._lease_ids = itertools.count(1)
-        # Blocks that left the store unread: (engine_id, num_blocks, freed_at on our clock).
-        self._abandoned: list[tuple[str, int, float]] = []
+        self._claimed = 0
+        self._states: Counter[HandleState] = Counter()  # states of live records' handles
+        self._pins = _PinLedger(decoder_ttl_s, max_blocks_per_engine, pinned_fraction)
         self.counts: Counter[str] = Counter()
 
     # -- turns ---------------------------------------------------------------------
@@ -157,27 +434,21 @@ class HandleStore:
         A stored turn matches when its whole prompt is a prefix of `prompt_ids`, or when
         the text it stands for (prompt + answer) is a prefix of `prompt_text`: the latter
         still matches after token-in/token-out made the stored ids differ from a plain
-        tokenization. Candidates come from a block-hash index of stored prompts.
+        tokenization. The prompt's block-hash chain (and its text's) is walked once,
+        deepest first, against an index holding each conversation under the chain hash
+        where its prompt ends and where its tokens end; at the deepest hit, the most
+        recent `match_fanout` candidates are checked past the hashed blocks and the best
+        (longest agreement, then most recent) is verified token by token. Conversations
+        that share only a system prompt are never candidates. Work (`counts`:
+        `match_candidates`, `match_compared_tokens`) is bounded by the prompt.
         """
         self._sweep()
-        hashes = chain_hashes(prompt_ids, self._block)
-        for depth in range(len(hashes) - 1, -1, -1):
-            candidates = self._index.get(hashes[depth])
-            if not candidates:
-                continue
-            best: tuple[int, float, str] | None = None
-            for session_id in candidates:
-                record = self._records[session_id]
-                conv = record.conversation
-                common = common_prefix_len(conv.token_ids, prompt_ids)
-                by_text = prompt_text is not None and conv.text is not None and prompt_text.startswith(conv.text)
-                if common < conv.prompt_len and not by_text:
-                    continue
-                key = (len(conv.token_ids) if by_text else common, record.stored_at, session_id)
-                best = key if best is None or key > best else best
-            if best is not None:
-                return best[2], best[0]
-        return None, 0
+        best = self._match_tokens(_compact(prompt_ids))
+        if prompt_text is not None:
+            by_text = self._match_text(prompt_text)
+            if by_text is not None and (best is None or by_text > best):
+                best = by_text
+        return (best[2], best[0]) if best is not None else (None, 0)
 
     def begin_turn(self, session_id: str) -> Claim:
         """Claim the session's handle for one turn. Always returns a lease to end."""
@@ -185,193 +456,352 @@ class HandleStore:
         now = self._clock()
         lease_id = next(self._lease_ids)
         record = self._records.get(session_id)
-        handle, reason = None, None
+        handle, reason, remaining = None, None, None
         if record is None:
             reason = "no_conversation"
         else:
             self._records.move_to_end(session_id)
-            conv = record.conversation
-            if conv.handle is None:
-                reason = "no_handle" if record.state is HandleState.STORED else record.state.value
+            if record.handle is None:
+                reason = "no_handle"
             elif record.state is not HandleState.STORED:
                 reason = record.state.value
             else:
-                handle = conv.handle
-                record.state = HandleState.CLAIMED
+                handle = record.handle
+                self._transition(record, HandleState.CLAIMED)
+                remaining = record.stored_at + self._decoder_ttl - now
+                self._claimed += 1
                 self.counts["claimed"] += 1
         if reason is not None:
             self.counts[f"miss_{reason}"] += 1
-        self._leases[lease_id] = _Lease(session_id, handle, now + self._lease_timeout)
+        stored_at = record.stored_at if record is not None else now
+        self._leases[lease_id] = _Lease(
+            session_id, handle, record.decode_replica if record else None, stored_at, now + self._lease_timeout
+        )
+        self._open.setdefault(session_id, set()).add(lease_id)
         return Claim(
             lease_id=lease_id,
             session_id=session_id,
-            conversation=record.conversation if record else None,
+            conversation=record.conversation() if record else None,
             handle=handle,
             miss_reason=reason,
+            pin_remaining_s=remaining,
         )
 
-    def end_turn(
-        self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | None
-    ) -> None:
+    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | None) -> None:
         """Settle a lease: record what became of the claimed handle, store the new turn.
 
         Called exactly once per `begin_turn`, on every path (the ingress uses `finally`).
+        A late call (lease expired) or one for a session ended meanwhile stores nothing;
+        the new turn's handle is then released.
         """
-        lease = self._leases.pop(lease_id, None)
+        now = self._clock()
+        lease = self._pop_lease(lease_id)
         if lease is None:
             self.counts["late_end_turn"] += 1
+            self._release_new(conversation, HandleState.EXPIRED, now)
             return
         if lease.handle is not None:
             state = _OUTCOME_STATE[outcome]
-            self.counts[state.value] += 1
-            if outcome is not TurnOutcome.PULLED:
-                self._abandon(lease.handle, self._stored_at(lease.session_id))
-            record = self._records.get(lease.session_id)
-            if record is not None and record.conversation.handle is lease.handle:
-                record.state = state
-        if conversation is not None:
+            self._settle(lease, state, now)
+        if lease.ended:
+            self._release_new(conversation, HandleState.ENDED, now)
+        elif conversation is not None:
             self.put(conversation)
 
     def put(self, conversation: Conversation) -> None:
         """Store a session's latest turn, superseding the previous one."""
+        self._sweep()
         now = self._clock()
-        old = self._records.pop(conversation.session_id, None)
+        session_id = conversation.session_id
+        old = self._records.get(session_id)
         if old is not None:
-            self._unindex(conversation.session_id, old)
-            if old.state is HandleState.STORED and old.conversation.handle is not None:
+            if old.state is HandleState.STORED and old.handle is not None:
                 self._leave(old, HandleState.SUPERSEDED)
-        record = _Record(
-            conversation=conversation,
-            state=HandleState.STORED,
-            stored_at=now,
-            expires_at=now + self._ttl,
-            chain_hashes=chain_hashes(conversation.token_ids[: conversation.prompt_len], self._block),
-        )
-        self._records[conversation.session_id] = record
-        for h in record.chain_hashes:
-            self._index.setdefault(h, set()).add(conversation.session_id)
-        if conversation.handle is not None:
+            self._remove(old)
+        record = self._record(conversation, old, now)
+        self._records[session_id] = record
+        self._bytes += record.nbytes
+        for key in record.token_keys:
+            self._token_index.setdefault(key, {})[session_id] = None
+        if record.text_key is not None:
+            self._text_index.setdefault(record.text_key, {})[session_id] = None
+        if record.handle is not None:
+            self._states[HandleState.STORED] += 1
+            self._pins.hold(record.handle)
+            self._stored_on.setdefault(record.handle.engine_id, {})[session_id] = None
+            self._expiring[session_id] = record
             self.counts["stored"] += 1
-            self._enforce_block_bound(conversation.handle.engine_id)
-        while len(self._records) > self._max_sessions:
-            session_id, victim = self._records.popitem(last=False)
-            self._unindex(session_id, victim)
-            if victim.state is HandleState.STORED and victim.conversation.handle is not None:
+            self._enforce_budget(record.handle.engine_id)
+        while self._records and (len(self._records) > self._max_sessions or self._bytes > self._max_bytes):
+            victim = next(iter(self._records.values()))
+            if len(self._records) <= self._max_sessions:
+                self.counts["evicted_for_bytes"] += 1
+            if victim.state is HandleState.STORED and victim.handle is not None:
                 self._leave(victim, HandleState.EVICTED)
+            self._remove(victim)
             self.counts["sessions_evicted"] += 1
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session now (the client ended it). Its stored handle is released
+        (reason ENDED); a turn of it still in flight settles its claim, but its new turn
+        is released rather than stored. Returns False if the store kept no such session."""
+        self._sweep()
+        record = self._records.get(session_id)
+        open_leases = self._open.get(session_id, ())
+        if record is None and not open_leases:
+            return False
+        for lease_id in open_leases:
+            self._leases[lease_id].ended = True
+        if record is not None:
+            if record.state is HandleState.STORED and record.handle is not None:
+                self._leave(record, HandleState.ENDED)
+            self._remove(record)
+        self.counts["sessions_ended"] += 1
+        return True
 
     def drop_engine(self, engine_id: str) -> int:
         """Forget every stored handle on `engine_id` (its replica is gone). Returns how many."""
+        self._sweep()
+        stored = self._stored_on.get(engine_id, {})
         dropped = 0
-        for record in self._records.values():
-            handle = record.conversation.handle
-            if record.state is HandleState.STORED and handle and handle.engine_id == engine_id:
-                record.state = HandleState.DROPPED
-                self.counts[HandleState.DROPPED.value] += 1
-                dropped += 1
-        self._abandoned = [a for a in self._abandoned if a[0] != engine_id]
+        for session_id in list(stored):
+            self._leave(self._records[session_id], HandleState.DROPPED)
+            dropped += 1
+        self._pins.forget_engine(engine_id)
         return dropped
+
+    # -- decode memory -----------------------------------------------------------------
+
+    def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
+        """The decode engine has `total_blocks` KV blocks: from now on its waiting
+        conversations may pin `floor(pinned_fraction * total_blocks)` of them (until
+        then, `max_blocks_per_engine`). Evicts least recently stored handles past it."""
+        self._sweep()
+        self._pins.set_capacity(engine_id, total_blocks)
+        self._enforce_budget(engine_id)
+
+    def take_releases(self) -> list[Release]:
+        """Handles that left unread since the last call, oldest first. The caller owns
+        them: it asks each decode engine to free those blocks now, and the store stops
+        counting them as pinned. Releases nobody takes are dropped when the decode
+        engine's TTL would have freed the blocks anyway."""
+        self._sweep()
+        releases = self._pins.take()
+        self.counts["releases_taken"] += len(releases)
+        return releases
 
     # -- introspection ---------------------------------------------------------------
 
     def pinned_blocks(self, engine_id: str) -> int:
-        """Blocks we believe `engine_id` keeps pinned for us: stored, claimed, abandoned."""
+        """Blocks we believe `engine_id` keeps pinned for us: stored, claimed, and left
+        unread (until their release is taken or the decode engine's TTL passed)."""
         self._sweep()
-        return self._waiting_blocks(engine_id) + sum(n for e, n, _ in self._abandoned if e == engine_id)
+        return self._pins.pinned(engine_id)
 
     def stats(self) -> dict:
         self._sweep()
-        states = Counter(
-            r.state.value for r in self._records.values() if r.conversation.handle is not None
-        )
-        engines = {
-            r.conversation.handle.engine_id
-            for r in self._records.values()
-            if r.conversation.handle is not None
-        } | {e for e, _, _ in self._abandoned}
+        sessions = len(self._records)
         return {
-            "sessions": len(self._records),
-            "handles": dict(states),
+            "sessions": sessions,
+            "handles": {state.value: n for state, n in self._states.items() if n},
             "open_leases": len(self._leases),
-            "claimed_handles": sum(1 for lease in self._leases.values() if lease.handle),
-            "pinned_blocks": {e: self.pinned_blocks(e) for e in sorted(engines)},
+            "claimed_handles": self._claimed,
+            "pinned_blocks": {e: self._pins.pinned(e) for e in sorted(self._pins.engines())},
+            "pin_budgets": dict(self._pins.budgets),
+            "pending_releases": self._pins.pending,
+            "bytes": self._bytes,
+            "bytes_per_session": self._bytes // sessions if sessions else 0,
             "counts": dict(self.counts),
         }
 
     # -- internals -----------------------------------------------------------------
 
-    def _waiting_blocks(self, engine_id: str) -> int:
-        """Blocks of handles still stored or claimed on `engine_id` (not yet abandoned)."""
-        return sum(
-            r.conversation.handle.num_blocks
-            for r in self._records.values()
-            if r.conversation.handle is not None
-            and r.conversation.handle.engine_id == engine_id
-            and r.state in (HandleState.STORED, HandleState.CLAIMED)
-        )
+    def _record(self, conversation: Conversation, old: _Record | None, now: float) -> _Record:
+        record = _Record()
+        tokens = conversation.compact_ids
+        text = conversation.text
+        record.session_id = conversation.session_id
+        record.tokens = tokens
+        record.prompt_len = conversation.prompt_len
+        record.text = text
+        record.handle = conversation.handle
+        record.decode_replica = conversation.decode_replica
+        record.state = HandleState.STORED
+        record.stored_at = now
+        record.expires_at = now + self._ttl
+        # Index keys: the chain hash where the prompt ends and where the tokens end,
+        # continuing the previous turn's chain when this turn extends it.
+        block = self._block
+        prompt_blocks, all_blocks = record.prompt_len // block, len(tokens) // block
+        start, prev = 0, 0
+        if old is not None and old.chain[0] <= prompt_blocks:
+            n = old.chain[0] * block
+            if tokens[:n] == old.tokens[:n]:
+                start, prev = old.chain
+        hashes = _token_chain(tokens.tobytes(), block * tokens.itemsize, all_blocks, start, prev)
 
-    def _stored_at(self, session_id: str) -> float:
-        record = self._records.get(session_id)
-        return record.stored_at if record else self._clock()
+        def at(blocks: int) -> int | None:
+            return None if blocks == 0 else prev if blocks == start else hashes[blocks - start - 1]
+
+        # A prompt shorter than one block is not indexed at all.
+        keys = (at(prompt_blocks), at(all_blocks)) if prompt_blocks else ()
+        record.token_keys = tuple(dict.fromkeys(keys))
+        record.chain = (all_blocks, at(all_blocks) or 0)
+        record.text_key, record.text_chain = None, (0, 0)
+        if text is not None:
+            width = self._text_block
+            blocks, start, prev = len(text) // width, 0, 0
+            if old is not None and old.text is not None:
+                n = old.text_chain[0] * width
+                if n <= len(text) and text[:n] == old.text[:n]:
+                    start, prev = old.text_chain
+            text_hashes = _text_chain(text, width, blocks, start, prev)
+            last = text_hashes[-1] if text_hashes else prev
+            record.text_chain = (blocks, last)
+            record.text_key = last if blocks else None
+        handle_bytes = 36 * record.handle.num_blocks if record.handle is not None else 0
+        record.nbytes = (
+            tokens.itemsize * len(tokens) + (sys.getsizeof(text) if text is not None else 0) + handle_bytes + _RECORD_OVERHEAD
+        )
+        return record
+
+    def _match_tokens(self, prompt: array) -> tuple[int, float, str] | None:
+        block = self._block
+        hashes = _token_chain(prompt.tobytes(), block * prompt.itemsize, len(prompt) // block)
+        for blocks in range(len(hashes), 0, -1):
+            bucket = self._token_index.get(hashes[blocks - 1])
+            if not bucket:
+                continue
+            base = blocks * block
+            best = None
+            for session_id in islice(reversed(bucket), self._fanout):
+                record = self._records[session_id]
+                self.counts["match_candidates"] += 1
+                tokens, end = record.tokens, record.prompt_len
+                if end > len(prompt):
+                    continue
+                if end > base:  # the prompt's tail past the hashed blocks (under a block)
+                    self.counts["match_compared_tokens"] += end - base
+                    if tokens[base:end] != prompt[base:end]:
+                        continue
+                agree = common_prefix_len(tokens, prompt, max(base, end))
+                self.counts["match_compared_tokens"] += agree - max(base, end) + 1
+                key = (agree, record.stored_at, session_id)
+                best = key if best is None or key > best else best
+            if best is None:
+                continue
+            # One candidate verified token by token over the hashed blocks.
+            self.counts["match_compared_tokens"] += base
+            if self._records[best[2]].tokens[:base] == prompt[:base]:
+                return best
+            self.counts["match_hash_collisions"] += 1
+        return None
+
+    def _match_text(self, text: str) -> tuple[int, float, str] | None:
+        width = self._text_block
+        hashes = _text_chain(text, width, len(text) // width)
+        for blocks in range(len(hashes), 0, -1):
+            bucket = self._text_index.get(hashes[blocks - 1])
+            if not bucket:
+                continue
+            best = None
+            for session_id in islice(reversed(bucket), self._fanout):
+                record = self._records[session_id]
+                self.counts["match_candidates"] += 1
+                if record.text is not None and text.startswith(record.text):
+                    key = (len(record.tokens), record.stored_at, session_id)
+                    best = key if best is None or key > best else best
+            if best is not None:
+                return best
+        return None
+
+    def _transition(self, record: _Record, state: HandleState) -> None:
+        """The one place a handle's state changes (checked against `_TRANSITIONS`)."""
+        if state not in _TRANSITIONS.get(record.state, ()):
+            raise AssertionError(f"handle of {record.session_id}: {record.state.value} -> {state.value}")
+        if record.state is HandleState.STORED:
+            self._expiring.pop(record.session_id, None)
+            stored = self._stored_on[record.handle.engine_id]
+            del stored[record.session_id]
+            if not stored:
+                del self._stored_on[record.handle.engine_id]
+        if self._records.get(record.session_id) is record:
+            self._states[record.state] -= 1
+            self._states[state] += 1
+        record.state = state
 
     def _leave(self, record: _Record, state: HandleState) -> None:
-        record.state = state
+        """A STORED handle leaves without being claimed."""
+        self._transition(record, state)
         self.counts[state.value] += 1
-        self._abandon(record.conversation.handle, record.stored_at)
+        self._pins.let_go(record.handle, state, record.stored_at, record.decode_replica, self._clock())
 
-    def _abandon(self, handle: KVHandle, stored_at: float) -> None:
-        self._abandoned.append((handle.engine_id, handle.num_blocks, stored_at + self._decoder_ttl))
+    def _settle(self, lease: _Lease, state: HandleState, now: float) -> None:
+        """A claimed handle's lease ends: read, unused, failed (counted by state), or
+        timed out (counted as `lease_expired`)."""
+        self._claimed -= 1
+        if state is not HandleState.EXPIRED:
+            self.counts[state.value] += 1
+        self._pins.let_go(lease.handle, state, lease.stored_at, lease.decode_replica, now)
+        record = self._records.get(lease.session_id)
+        if record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED:
+            self._transition(record, state)
 
-    def _unindex(self, session_id: str, record: _Record) -> None:
-        for h in record.chain_hashes:
-            sessions = self._index.get(h)
-            if sessions is not None:
-                sessions.discard(session_id)
-                if not sessions:
-                    del self._index[h]
+    def _release_new(self, conversation: Conversation | None, reason: HandleState, now: float) -> None:
+        if conversation is not None and conversation.handle is not None:
+            self._pins.unread_handle(conversation.handle, reason, now, conversation.decode_replica, now)
 
-    def _enforce_block_bound(self, engine_id: str) -> None:
-        # Evicting moves a handle's blocks to `_abandoned` (still pinned until the decoder's
-        # TTL), so the bound is on the blocks of waiting handles, which eviction does lower.
-        self._sweep()
-        for session_id in list(self._records):
-            if self._waiting_blocks(engine_id) <= self._max_blocks:
-                return
-            record = self._records[session_id]
-            handle = record.conversation.handle
-            if record.state is HandleState.STORED and handle and handle.engine_id == engine_id:
-                self._leave(record, HandleState.EVICTED)
-                self.counts["evicted_for_blocks"] += 1
+    def _remove(self, record: _Record) -> None:
+        """Take a record out of the map, its index entries and the bytes count."""
+        session_id = record.session_id
+        del self._records[session_id]
+        self._bytes -= record.nbytes
+        if record.handle is not None:
+            self._states[record.state] -= 1
+        for key in record.token_keys:
+            self._unindex(self._token_index, key, session_id)
+        if record.text_key is not None:
+            self._unindex(self._text_index, record.text_key, session_id)
+
+    @staticmethod
+    def _unindex(index: dict[int, dict[str, None]], key: int, session_id: str) -> None:
+        bucket = index.get(key)
+        if bucket is not None:
+            bucket.pop(session_id, None)
+            if not bucket:
+                del index[key]
+
+    def _pop_lease(self, lease_id: int) -> _Lease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            open_leases = self._open[lease.session_id]
+            open_leases.discard(lease_id)
+            if not open_leases:
+                del self._open[lease.session_id]
+        return lease
+
+    def _enforce_budget(self, engine_id: str) -> None:
+        # The budget bounds blocks of waiting handles (stored or claimed); evicting the
+        # least recently stored ones lowers it. Unread blocks are being released.
+        budget = self._pins.budget(engine_id)
+        while self._pins.waiting[engine_id] > budget and engine_id in self._stored_on:
+            session_id = next(iter(self._stored_on[engine_id]))
+            self._leave(self._records[session_id], HandleState.EVICTED)
+            self.counts["evicted_for_blocks"] += 1
 
     def _sweep(self) -> None:
         now = self._clock()
-        for record in self._records.values():
-            if record.state is HandleState.STORED and record.conversation.handle and now >= record.expires_at:
-                self._leave(record, HandleState.EXPIRED)
-        self._abandoned = [a for a in self._abandoned if a[2] > now]
-        for lease_id in [i for i, lease in self._leases.items() if lease.deadline <= now]:
-            lease = self._leases.pop(lease_id)
+        while self._expiring:
+            record = next(iter(self._expiring.values()))
+            if record.expires_at > now:
+                break
+            self._leave(record, HandleState.EXPIRED)
+        while self._leases:
+            lease_id, lease = next(iter(self._leases.items()))
+            if lease.deadline > now:
+                break
+            self._pop_lease(lease_id)
             self.counts["lease_expired"] += 1
             if lease.handle is not None:
-                self._abandon(lease.handle, now)
-                record = self._records.get(lease.session_id)
-                if (
-                    record is not None
-                    and record.conversation.handle is lease.handle
-                    and record.state is HandleState.CLAIMED
-                ):
-                    # Counted as abandoned now; no longer as claimed.
-                    record.state = HandleState.EXPIRED
-
-
-def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int], block_size: int) -> tuple[KVHandle, int]:
-    """Cap `handle` to the positions where the decode engine's tokens equal the new
-    prompt's, never the prompt's last token (prefill must compute at least one).
-
-    Returns the capped handle and how many held positions drift cut off.
-    """
-    held = tuple(held_ids)[: handle.num_tokens]
-    common = common_prefix_len(held, prompt_ids)
-    usable = min(common, len(prompt_ids) - 1)
-    drift = max(0, min(handle.num_tokens, len(prompt_ids) - 1) - usable)
-    return handle.capped(usable, block_size), drift
+                self._settle(lease, HandleState.EXPIRED, now)
+        self._pins.sweep(now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 
 from connector.handle import KVHandle, Location
@@ -18,6 +20,7 @@ from connector.store import (
 TTL = 100.0
 DECODER_TTL = 150.0
 BLOCK = 4
+TEXT_BLOCK = 4
 
 
 class Clock:
@@ -43,6 +46,7 @@ def make_store(clock, **kwargs) -> HandleStore:
         max_sessions=100,
         max_blocks_per_engine=1000,
         index_block_size=BLOCK,
+        text_block_chars=TEXT_BLOCK,
         lease_timeout_s=50.0,
         clock=clock,
     )
@@ -496,5 +500,264 @@ def test_store_rejects_ttl_not_below_decoder_ttl(clock):
 
 def test_states_cover_every_exit():
     assert {s.value for s in HandleState} == {
-        "stored", "claimed", "pulled", "unused", "failed", "expired", "evicted", "superseded", "dropped",
+        "stored", "claimed", "pulled", "unused", "failed", "expired", "evicted", "superseded", "dropped", "ended",
     }
+
+
+# -- fleet scale: bounded matching ------------------------------------------------------------
+
+FLEET_SYSTEM = tuple(range(10_000, 10_064))  # 16 blocks shared by every conversation
+
+
+def fleet(store, clock, n=1000):
+    """n conversations sharing FLEET_SYSTEM: own first message (2 blocks) and answer."""
+    convs = []
+    for i in range(n):
+        prompt = FLEET_SYSTEM + tuple(range(20_000 + 8 * i, 20_000 + 8 * i + 8))
+        convs.append(conv(f"f{i}", prompt, tuple(range(50_000 + 5 * i, 50_000 + 5 * i + 5))))
+        store.put(convs[-1])
+        clock.advance(0.001)
+    return convs
+
+
+def test_fleet_new_conversation_matches_none_in_bounded_work(clock):
+    store = make_store(clock, max_sessions=2000)
+    fleet(store, clock)
+    store.counts.clear()
+    new = FLEET_SYSTEM + tuple(range(90_000, 90_040))
+    assert store.match(new) == (None, 0)
+    # Sessions sharing only the system prompt are not even candidates.
+    assert store.counts["match_candidates"] == 0
+    assert store.counts["match_compared_tokens"] == 0
+
+
+def test_fleet_next_turn_matches_its_conversation_only(clock):
+    store = make_store(clock, max_sessions=2000)
+    convs = fleet(store, clock)
+    for i in (0, 1, 499, 998, 999):
+        store.counts.clear()
+        c = convs[i]
+        follow_up = c.token_ids + (7, 7, 7, 7, 7, 7)
+        assert store.match(follow_up) == (c.session_id, len(c.token_ids))
+        # One deepest key, one candidate, one verification over the prompt's length.
+        assert store.counts["match_candidates"] == 1
+        assert store.counts["match_compared_tokens"] <= len(follow_up) + BLOCK
+        # A re-tokenized answer still finds it, by the prompt.
+        retok = c.token_ids[: c.prompt_len] + (3, 3, 3, 3, 3)
+        assert store.match(retok) == (c.session_id, c.prompt_len)
+
+
+def test_identical_prompts_never_cross(clock):
+    """Two conversations with the same prompt: each one's next turn goes to it alone,
+    whether the answers differ in their first block or only in a sub-block tail."""
+    store = make_store(clock)
+    prompt = SYSTEM + (1, 2, 3, 4)
+    store.put(conv("a", prompt, (60, 61, 62, 63, 64, 65)))
+    clock.advance(1)
+    store.put(conv("b", prompt, (70, 71, 72, 73, 74, 75)))
+    clock.advance(1)
+    store.put(conv("c", prompt, (60, 61, 62, 63, 64, 99)))  # shares a's first answer block
+    assert store.match(prompt + (60, 61, 62, 63, 64, 65, 5, 5)) == ("a", len(prompt) + 6)
+    assert store.match(prompt + (70, 71, 72, 73, 74, 75, 5, 5)) == ("b", len(prompt) + 6)
+    assert store.match(prompt + (60, 61, 62, 63, 64, 99, 5, 5)) == ("c", len(prompt) + 6)
+
+
+def test_match_fanout_bounds_identical_keys(clock):
+    store = make_store(clock, match_fanout=4)
+    prompt = SYSTEM + (1, 2, 3, 4)
+    for i in range(50):
+        store.put(conv(f"same{i}", prompt, (200 + i,)))
+        clock.advance(1)
+    store.counts.clear()
+    # The most recent among the checked ones that agrees longest.
+    assert store.match(prompt + (249, 1)) == ("same49", len(prompt) + 1)
+    assert store.counts["match_candidates"] == 4
+    assert store.match(prompt + (9,)) == ("same49", len(prompt))
+
+
+def test_match_by_text_prefers_longest(clock):
+    store = make_store(clock)
+    for sid, text in (("short", "abcdefgh|x"), ("long", "abcdefgh|xyz12")):
+        store.put(Conversation(sid, SYSTEM + (1, 2, 3, 4), 8, text=text, handle=handle()))
+        clock.advance(1)
+    assert store.match((9,) * 12, "abcdefgh|xyz123|next") == ("long", 12)
+    assert store.match((9,) * 12, "abcdefgh|xy|next") == ("short", 12)
+    assert store.match((9,) * 12, "abcdefgh|") == (None, 0)
+
+
+# -- compact conversations and the bytes bound -------------------------------------------------
+
+
+def test_conversation_is_compact_and_reads_as_tuple():
+    import pickle
+    from array import array
+
+    c = conv("s", range(1000), range(5000, 5010))
+    assert isinstance(c.token_ids, tuple) and c.token_ids == tuple(range(1000)) + tuple(range(5000, 5010))
+    wire = pickle.loads(pickle.dumps(c))
+    assert wire == c
+    assert isinstance(wire.compact_ids, array) and wire.compact_ids.itemsize == 4
+    assert wire.token_ids + (1,) == c.token_ids + (1,)
+    with pytest.raises(AttributeError):
+        c.prompt_len = 3
+    # Ids travel as 4-byte ints, not as a pickled tuple.
+    assert len(pickle.dumps(c)) < 4 * 1010 + 1000
+
+
+def test_store_keeps_compact_ids_and_counts_bytes(store):
+    from array import array
+
+    store.put(conv("a", range(1000), range(10)))
+    store.put(conv("b", range(2000), range(10)))
+    stats = store.stats()
+    assert stats["bytes"] >= 4 * (1010 + 2010)
+    assert stats["bytes"] < 4 * (1010 + 2010) + 2 * 2000  # ~4 bytes a token plus a small overhead
+    assert stats["bytes_per_session"] == stats["bytes"] // 2
+    claim = store.begin_turn("a")
+    assert isinstance(claim.conversation.compact_ids, array)
+    assert claim.conversation.token_ids == tuple(range(1000)) + tuple(range(10))
+
+
+def test_bytes_bound_evicts_least_recently_used(clock):
+    store = make_store(clock, max_store_bytes=3 * (4 * 1000 + 1000))
+    for sid in "abc":
+        store.put(conv(sid, range(1000)))
+        clock.advance(1)
+    store.begin_turn("a")  # a is now recent: b goes first
+    store.put(conv("d", range(1000)))
+    assert store.counts["evicted_for_bytes"] >= 1
+    assert store.begin_turn("b").miss_reason == "no_conversation"
+    assert store.begin_turn("d").handle is not None
+    assert store.stats()["bytes"] <= 3 * (4 * 1000 + 1000)
+
+
+# -- decode-memory hooks ---------------------------------------------------------------------------
+
+
+def releases(store):
+    return [(r.engine_id, r.num_blocks, r.reason.value) for r in store.take_releases()]
+
+
+def test_every_unread_exit_is_released_once(clock):
+    store = make_store(clock, max_sessions=4)
+    store.put(conv("sup", range(10), blocks=1))
+    store.put(conv("sup", range(12), blocks=2))  # superseded: 1
+    assert releases(store) == [("d-0", 1, "superseded")]
+    for outcome, blocks in ((TurnOutcome.UNUSED, 3), (TurnOutcome.FAILED, 4), (TurnOutcome.PULLED, 5)):
+        store.put(conv(outcome.value, range(10), blocks=blocks))
+        store.end_turn(store.begin_turn(outcome.value).lease_id, outcome, None)
+    assert releases(store) == [("d-0", 3, "unused"), ("d-0", 4, "failed")]  # pulled: read, not released
+    store.put(conv("x", range(10), blocks=6))  # 5 sessions > 4: the oldest goes
+    assert releases(store) == [("d-0", 2, "evicted")]
+    assert store.end_session("x") and releases(store) == [("d-0", 6, "ended")]
+    store.put(conv("exp", range(10), blocks=7))
+    clock.advance(TTL)
+    assert releases(store) == [("d-0", 7, "expired")]
+    store.put(conv("lease", range(10), blocks=8))
+    store.begin_turn("lease")
+    clock.advance(50.0)
+    assert releases(store) == [("d-0", 8, "expired")]
+    assert store.counts["lease_expired"] == 1
+    store.put(conv("drop", range(10), blocks=9, engine="d-9"))
+    store.drop_engine("d-9")
+    assert releases(store) == []  # the engine is gone: nothing to free
+    assert store.stats()["pending_releases"] == 0
+
+
+def test_taken_releases_stop_counting_untaken_expire_with_decoder_ttl(store, clock):
+    store.put(conv("s", range(10), blocks=2))
+    store.put(conv("s", range(12), blocks=5))
+    assert store.pinned_blocks("d-0") == 7
+    assert releases(store) == [("d-0", 2, "superseded")]
+    assert store.pinned_blocks("d-0") == 5
+    store.put(conv("s", range(14), blocks=3))  # 5 superseded, never taken
+    assert store.stats()["pending_releases"] == 1 and store.pinned_blocks("d-0") == 8
+    clock.advance(DECODER_TTL)  # the engine freed them itself; s's handle expired meanwhile
+    assert store.stats()["pending_releases"] == 0
+    assert store.pinned_blocks("d-0") == 0
+    assert store.take_releases() == []
+
+
+def test_engine_capacity_sets_the_pin_budget(clock):
+    store = make_store(clock, max_blocks_per_engine=1000, pinned_fraction=0.5)
+    for sid in "abcd":
+        store.put(conv(sid, range(10), blocks=10))
+        clock.advance(1)
+    store.put(conv("other", range(10), blocks=30, engine="d-1"))
+    store.set_engine_capacity("d-0", 51)  # floor(25.5) = 25: a and b go, oldest first
+    assert store.stats()["pin_budgets"] == {"d-0": 25}
+    assert store.counts["evicted_for_blocks"] == 2
+    assert [r.request_id for r in store.take_releases()] == [
+        store.begin_turn("a").conversation.handle.request_id,
+        store.begin_turn("b").conversation.handle.request_id,
+    ]
+    assert store.pinned_blocks("d-0") == 20
+    # Claimed handles count against the budget but are never evicted.
+    store.begin_turn("c")
+    store.put(conv("e", range(10), blocks=10))
+    assert store.begin_turn("d").miss_reason == "evicted"
+    assert store.pinned_blocks("d-0") == 20 + 10  # d's release not taken yet
+    # Another engine keeps the default bound.
+    assert store.begin_turn("other").handle is not None
+
+
+def test_claim_exposes_pin_remaining(store, clock):
+    store.put(conv("s", range(10)))
+    clock.advance(30)
+    claim = store.begin_turn("s")
+    assert claim.pin_remaining_s == pytest.approx(DECODER_TTL - 30)
+    assert store.begin_turn("s").pin_remaining_s is None
+
+
+def test_end_session_with_a_turn_in_flight(store):
+    store.put(conv("s", range(10), blocks=2))
+    claim = store.begin_turn("s")
+    assert store.end_session("s") is True
+    assert store.stats()["sessions"] == 0
+    nxt = conv("s", range(14), blocks=4)
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, nxt)
+    # The claim settles; the new turn is not stored, its blocks are released.
+    assert store.counts["pulled"] == 1
+    assert store.begin_turn("s").miss_reason == "no_conversation"
+    assert releases(store) == [("d-0", 4, "ended")]
+    assert store.end_session("nobody") is False
+
+
+def test_late_end_turn_releases_the_new_turn(store, clock):
+    store.put(conv("s", range(10), blocks=2))
+    claim = store.begin_turn("s")
+    clock.advance(50.0)
+    store.stats()
+    store.take_releases()
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, conv("s", range(14), blocks=4))
+    assert store.counts["late_end_turn"] == 1
+    assert releases(store) == [("d-0", 4, "expired")]
+
+
+def test_bookkeeping_does_not_walk_every_session(clock, monkeypatch):
+    """Per-turn calls touch only what they change: with 2,000 sessions stored, a turn
+    reads no other record (records are only reached through the LRU map's ends)."""
+    store = make_store(clock, max_sessions=5000)
+    for i in range(2000):
+        store.put(conv(f"s{i}", range(10)))
+    reads = []
+
+    class Watched(OrderedDict):
+        def __iter__(self):
+            reads.append("iter")
+            return super().__iter__()
+
+        def values(self):
+            reads.append("values")
+            return super().values()
+
+        def items(self):
+            reads.append("items")
+            return super().items()
+
+    store._records = Watched(store._records)
+    reads.clear()
+    claim = store.begin_turn("s5")
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, conv("s5", range(12)))
+    store.pinned_blocks("d-0")
+    assert len(reads) <= 2  # at most a peek at the LRU head
