@@ -82,6 +82,7 @@ class ServeEngineClients:
     def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle, decode_live: LiveReplicas):
         self._prefill = prefill
         self._decode = decode.options(stream=True)
+        self._decode_calls = decode
         self._decode_live = decode_live
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
@@ -93,6 +94,12 @@ class ServeEngineClients:
 
     def decode_alive(self, replica_id: str) -> bool | None:
         return self._decode_live.alive(replica_id)
+
+    async def decode_kv_blocks(self, replica_id: str) -> dict | None:
+        return await self._decode_calls.kv_blocks.remote(ReplicaQuery(replica_id))
+
+    async def release(self, replica_id: str, request_ids) -> list[str]:
+        return await self._decode_calls.release.remote(ReplicaQuery(replica_id), list(request_ids))
 
 
 def store_settings(cfg: AppConfig) -> StoreSettings:
@@ -175,6 +182,16 @@ class Ingress:
     async def http_completions(self, request: Request):
         return await self._http(request, CompletionRequest, self._completion_events, "text_completion")
 
+    @api.delete("/v1/sessions/{session_id}")
+    async def http_end_session(self, session_id: str, request: Request):
+        """End a conversation now (see `end_session`): 200 with
+        `{"id", "object": "session", "deleted": true}`, 404 if no such session is kept."""
+        try:
+            namespace = self._keys.namespace(request.headers.get("authorization"))
+            return await self._end_session(scoped(namespace, session_id), session_id)
+        except Exception as exc:
+            return _error_response(exc)
+
     @api.get("/v1/kv/stats")
     async def kv_stats(self, request: Request):
         """Reuse counters: this ingress replica's turns, the handle store, the engines.
@@ -226,6 +243,21 @@ class Ingress:
     async def completions_stream(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> AsyncIterator[dict]:
         async for chunk in self._call_stream(CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key):
             yield chunk
+
+    async def end_session(self, session_id: str, api_key: str | None = None) -> dict:
+        """End a conversation for `DeploymentHandle` callers: the store forgets it and its
+        decode engine frees the blocks it pinned for the next turn at once (not at
+        `decoder_kv_blocks_ttl`). A later turn with the same id starts a new conversation.
+        Raises `APIError` 404 if no such session is kept (unknown, already ended, evicted)."""
+        return await self._end_session(scoped(self._keys.handle_namespace(api_key), session_id), session_id)
+
+    async def _end_session(self, key: str, session_id: str) -> dict:
+        if self._store is None:
+            raise APIError(400, "this deployment keeps no sessions (mode=oneway)", param="session_id")
+        if not await self._store.end_session(key):
+            raise APIError(404, f"No session '{session_id}'.", type="NotFoundError", param="session_id", code="session_not_found")
+        await self._turns.memory.flush()
+        return {"id": session_id, "object": "session", "deleted": True}
 
     async def stats(self) -> dict:
         out: dict[str, Any] = {"turns": dict(self._turns.counts)}

@@ -76,6 +76,15 @@ class HandleStoreActor:
     def drop_engine(self, engine_id: str) -> int:
         return self._store.drop_engine(engine_id)
 
+    def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
+        self._store.set_engine_capacity(engine_id, total_blocks)
+
+    def take_releases(self) -> list:
+        return self._store.take_releases()
+
+    def end_session(self, session_id: str) -> bool:
+        return self._store.end_session(session_id)
+
     def stats(self) -> dict:
         """The shard's state and counters, and the settings it was built with."""
         return {**self._store.stats(), "settings": self._settings}
@@ -179,6 +188,19 @@ class StoreClient:
     async def drop_engine(self, engine_id: str) -> int:
         actors = await self._shards()
         return sum(await asyncio.gather(*(self._call(a.drop_engine.remote(engine_id)) for a in actors)))
+
+    async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
+        """Every shard keeps its own pins on that engine within the budget."""
+        actors = await self._shards()
+        await asyncio.gather(*(self._call(a.set_engine_capacity.remote(engine_id, total_blocks)) for a in actors))
+
+    async def take_releases(self) -> list:
+        actors = await self._shards()
+        shards = await asyncio.gather(*(self._call(a.take_releases.remote()) for a in actors))
+        return [r for shard in shards for r in shard]
+
+    async def end_session(self, session_id: str) -> bool:
+        return await self._call((await self._shard(session_id)).end_session.remote(session_id))
 
     async def stats(self) -> dict:
         actors = await self._shards()
