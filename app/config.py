@@ -227,6 +227,39 @@ class AccessConfig(_Strict):
         return value
 
 
+class OpenAIConfig(_Strict):
+    """The OpenAI surface: output parsers (vLLM's own) and request limits (`app.openai_api`)."""
+
+    tool_call_parser: str | None = Field(
+        "auto",
+        description=(
+            "vLLM tool parser for tool_choice 'auto' (e.g. 'hermes'). 'auto': by model family "
+            "(Qwen, Hermes, tiny-qwen3: hermes); None: 'auto' tool choice answers in plain content."
+        ),
+    )
+    reasoning_parser: str | None = Field(
+        None, description="vLLM reasoning parser (e.g. 'qwen3'): thinking goes to message.reasoning_content."
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "parameter",
+        description=(
+            "vLLM's --tool-strict-level: 'parameter' makes named/required tool choice decode arguments valid "
+            "against each tool's JSON schema; 'auto' only for tools marked strict."
+        ),
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Defaults under each request's chat_template_kwargs (as vLLM's --default-chat-template-kwargs), "
+            "e.g. {'enable_thinking': false}; the reasoning parser reads them too."
+        ),
+    )
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body; larger ones get 413.")
+    max_messages: int = Field(4096, ge=1, description="Most messages in one chat request.")
+    max_session_id_chars: int = Field(256, ge=8, description="Longest session id header value.")
+    max_logprobs: int = Field(20, ge=0, le=20, description="Largest top_logprobs (completions: logprobs) accepted.")
+
+
 class AppConfig(_Strict):
     """Everything the app needs, validated before anything starts."""
 
@@ -248,6 +281,7 @@ class AppConfig(_Strict):
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     access: AccessConfig = Field(default_factory=AccessConfig)
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     app_name: str = Field("default", description="Serve application name the graph is deployed under.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment for engine replicas (e.g. UCX_NET_DEVICES, FI_PROVIDER)."

@@ -15,12 +15,59 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# ChatML, the format of the Qwen family: one block per message, then the assistant header.
+# Markup tokens of Qwen3's tool calls and reasoning: single tokens, as in Qwen3, but not
+# "special" (they stay in decoded text, where the tool and reasoning parsers read them).
+MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+
+# Qwen3's format (ChatML): tools listed in the system block, assistant tool calls as
+# hermes-style `<tool_call>` JSON blocks, tool results as `<tool_response>` blocks in a
+# user turn, reasoning in `<think>` (kept for assistant turns after the last user query).
+# Thinking is off unless `chat_template_kwargs={"enable_thinking": true}`; then the
+# generation prompt opens `<think>`. Tool call arguments that arrive as a JSON string
+# (the OpenAI wire form) are written verbatim, so an answer renders as it was generated.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] in ('system', 'developer') %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] in ('system', 'developer') %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "{%- if message['role'] in ('system', 'developer') and loop.first %}"
+    "{%- elif message['role'] in ('user', 'system', 'developer') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.get('reasoning_content') and loop.index0 > ns.last_query %}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- content }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 _CORPUS = """\
@@ -36,7 +83,7 @@ error: file not found; warning: deprecated option; info: retrying in 5 seconds
 
 
 def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -49,6 +96,7 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

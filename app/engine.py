@@ -30,6 +30,22 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    params: Any = None
+    """The full vLLM `SamplingParams` of the client's request (vLLM's own
+    `to_sampling_params`: penalties, logit_bias, top_k, min_p, logprobs, structured
+    outputs, ...), or None for the plain options above. It pickles (it crosses Ray).
+    The engine uses a copy with `max_tokens` and the transfer params set from here.
+    Decode gets it; the prefill leg never does (one greedy token, no structured output)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the top alternatives at its position, by rank."""
+
+    token_id: int
+    logprob: float
+    token: str
+    top: tuple[tuple[int, float, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,8 @@ class EngineChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_params: dict[str, Any] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One entry per token in `token_ids` when the request asked for logprobs."""
 
 
 @dataclass
@@ -392,22 +410,9 @@ class VLLMEngine:
         return _Counter
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        s = request.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": request.kv_params} if request.kv_params else None,
-        )
+        params = sampling_params(request)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         async for out in self._llm.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]
@@ -420,6 +425,7 @@ class VLLMEngine:
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=out.num_cached_tokens or 0,
                 kv_params=out.kv_transfer_params if out.finished else None,
+                logprobs=_logprobs(completion.token_ids, completion.logprobs, params.logprobs) if params.logprobs is not None else None,
             )
 
     async def abort(self, request_id: str) -> None:
@@ -457,6 +463,55 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def sampling_params(request: EngineRequest):
+    """vLLM SamplingParams for one engine request: the client's full params when given
+    (a copy: `max_tokens` may have been fitted to the context), else the plain options.
+    Output comes as deltas; transfer params ride in `extra_args`."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = request.sampling
+    extra = {"kv_transfer_params": request.kv_params} if request.kv_params else None
+    if s.params is not None:
+        params = s.params.clone()
+        params.max_tokens = s.max_tokens
+        params.output_kind = RequestOutputKind.DELTA
+        params.extra_args = {**(params.extra_args or {}), **(extra or {})} or None
+        return params
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
+    )
+
+
+def _logprobs(token_ids, positions, k: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position logprob dicts as plain values: the chosen token (always in its
+    position's dict) and the `k` top alternatives by rank (-1: all vLLM returned)."""
+    out = []
+    for token_id, position in zip(token_ids, positions or ()):
+        chosen = position.get(token_id)
+        ranked = sorted(
+            ((tid, lp) for tid, lp in position.items() if lp.rank is not None and (k < 0 or lp.rank <= k)),
+            key=lambda x: x[1].rank,
+        )
+        out.append(
+            TokenLogprob(
+                token_id=int(token_id),
+                logprob=float(chosen.logprob) if chosen is not None else float("nan"),
+                token=(chosen.decoded_token or "") if chosen is not None else "",
+                top=tuple((int(tid), float(lp.logprob), lp.decoded_token or "") for tid, lp in ranked),
+            )
+        )
+    return tuple(out)
 
 
 @dataclass

@@ -12,16 +12,17 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app import metrics
+from app import metrics, openai_api
 from app.auth import ApiKeys, scoped
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
@@ -34,23 +35,26 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
 
 
-def _error_response(exc: Exception) -> JSONResponse:
-    if isinstance(exc, APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-    if isinstance(exc, (RequestValidationError, ValidationError)):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return _error_response(APIError(400, "the request body is not valid JSON"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return _error_response(APIError(400, message, param=".".join(loc) or None))
-    logger.exception("internal error")
-    return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+def _error_response(exc: BaseException) -> JSONResponse:
+    """Every error as an OpenAI-style `{"error": {...}}` body with its status."""
+    status, body = openai_api.error_body(exc)
+    headers = getattr(exc, "headers", None) if isinstance(exc, StarletteHTTPException) else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 api.add_exception_handler(APIError, lambda request, exc: _error_response(exc))
 api.add_exception_handler(RequestValidationError, lambda request, exc: _error_response(exc))
+# 404 / 405 and other routing errors: OpenAI's shape instead of FastAPI's {"detail": ...}.
+api.add_exception_handler(StarletteHTTPException, lambda request, exc: _error_response(exc))
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated request ready to run: the turn, and how its output is shaped."""
+
+    turn: TurnInput
+    parser: Any = None
+    """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
 
 
 class _HFTokenizer:
@@ -58,6 +62,7 @@ class _HFTokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(name)
+        self._cached = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -65,11 +70,21 @@ class _HFTokenizer:
     def piece(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> str:
         try:
-            return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **(kwargs or {}))
         except Exception as exc:  # template errors are the client's messages' fault
-            raise APIError(400, f"messages could not be rendered by the chat template: {exc}", param="messages")
+            raise APIError(400, f"messages could not be rendered by the chat template: {str(exc)[:300]}", param="messages")
+
+    @property
+    def hf(self):
+        """The tokenizer for vLLM's output parsers: vLLM's cached proxy (they read the
+        vocabulary per request)."""
+        if self._cached is None:
+            from vllm.tokenizers.hf import get_cached_tokenizer
+
+            self._cached = get_cached_tokenizer(self._tok)
+        return self._cached
 
     @property
     def vocab_size(self) -> int:
@@ -136,6 +151,7 @@ class Ingress:
         self._prefill = prefill
         self._decode = decode
         self._tok = _HFTokenizer(cfg.tokenizer or cfg.model)
+        self._parsers = openai_api.OutputParsers(cfg, self._tok.hf)
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
@@ -207,19 +223,19 @@ class Ingress:
     async def _http(self, request: Request, model_cls, events, kind: str):
         try:
             namespace = self._keys.namespace(request.headers.get("authorization"))
-            raw = await request.body()
-            try:
-                data = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON")
-            if not isinstance(data, dict):
-                raise APIError(400, "the request body must be a JSON object")
-            body = model_cls.model_validate(data)
             session_id = request.headers.get(self._cfg.sessions.session_header)
-            turn = self._prepare(body, session_id, events, namespace)
+            if session_id is not None and not 0 < len(session_id) <= self._cfg.openai.max_session_id_chars:
+                raise APIError(400, f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters", param=self._cfg.sessions.session_header)
+            data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
+            body = model_cls.model_validate(data)
+            prepared = await self._prepare(body, session_id, events, namespace)
             if body.stream:
-                return StreamingResponse(self._sse(kind, body, turn), media_type="text/event-stream")
-            result = await self._collect(kind, body, turn)
+                # Peek: everything knowable before the first byte (context length, the
+                # engine refusing the request) answers with its status, not in-stream.
+                chunks = self._chunks(kind, body, prepared)
+                first = await anext(chunks)
+                return StreamingResponse(self._sse(first, chunks), media_type="text/event-stream")
+            result = await self._collect(kind, body, prepared)
             return JSONResponse(result, headers={self._cfg.sessions.session_header: result["kvturn"]["session_id"]})
         except Exception as exc:
             return _error_response(exc)
@@ -268,40 +284,62 @@ class Ingress:
     async def _call(self, model_cls, events, kind, body, session_id, api_key=None):
         namespace = self._keys.handle_namespace(api_key)
         parsed = self._validate(model_cls, body)
-        turn = self._prepare(parsed, session_id, events, namespace)
-        return await self._collect(kind, parsed, turn)
+        prepared = await self._prepare(parsed, session_id, events, namespace)
+        return await self._collect(kind, parsed, prepared)
 
     async def _call_stream(self, model_cls, events, kind, body, session_id, api_key=None):
         namespace = self._keys.handle_namespace(api_key)
         parsed = self._validate(model_cls, body)
-        turn = self._prepare(parsed, session_id, events, namespace)
-        async for chunk in self._chunks(kind, parsed, turn):
+        prepared = await self._prepare(parsed, session_id, events, namespace)
+        async for chunk in self._chunks(kind, parsed, prepared):
             yield chunk
 
     @staticmethod
     def _validate(model_cls, body: dict):
         try:
+            openai_api.check_json_values(body)
             return model_cls.model_validate(body)
-        except ValidationError as exc:
-            response = _error_response(exc)
-            raise APIError(response.status_code, json.loads(response.body)["error"]["message"])
+        except Exception as exc:
+            status, error = openai_api.error_body(exc)
+            raise APIError(status, error["error"]["message"], param=error["error"]["param"]) from None
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
-    def _prepare(self, body, session_id: str | None, events, namespace: str = "") -> TurnInput:
-        if body.model != self._cfg.model_name:
+    async def _prepare(self, body, session_id: str | None, events, namespace: str = "") -> _Prepared:
+        """Validate what vLLM's request models leave to the engine, render and tokenize
+        (off the event loop: prompts can be large), and build the decode engine's
+        SamplingParams with vLLM's own `to_sampling_params`."""
+        if body.model is not None and body.model != self._cfg.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist.", type="NotFoundError", param="model", code="model_not_found")
-        text, ids = events(body)
-        if ids is not None and any(t < 0 or t >= self._tok.vocab_size for t in ids):
+        logprobs = body.requested_logprobs
+        if logprobs is not None and logprobs > self._cfg.openai.max_logprobs:
+            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise APIError(400, f"'{name}' must be at most {self._cfg.openai.max_logprobs}", param=name)
+        vocab = self._tok.vocab_size
+        for name, ids in body.token_ids_to_check():
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"'{name}' has token ids outside the vocabulary (0..{vocab - 1})", param=name)
+        text, ids, parser = await events(body)
+        if ids is not None and any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, "prompt token ids out of the vocabulary's range", param="prompt")
+        if text is not None and ids is None:
+            ids = tuple(await asyncio.to_thread(self._tok.encode, text))
         limit = body.answer_limit
+        max_tokens = limit or self._cfg.default_max_tokens
+        try:
+            params = body.to_sampling_params(max_tokens, {})
+        except (ValueError, TypeError) as exc:  # vLLM's checks of the client's values
+            raise openai_api.client_error(exc)
+        openai_api.check_structured_output(params)
         sampling = Sampling(
-            max_tokens=limit or self._cfg.default_max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_list,
-            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=tuple(params.stop or ()),
+            stop_token_ids=tuple(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            params=params,
         )
         turn = TurnInput(
             request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
@@ -312,17 +350,21 @@ class Ingress:
             prompt_ids=ids,
             max_tokens_given=limit is not None,
         )
-        return turn
+        return _Prepared(turn, parser)
 
-    def _chat_events(self, body: ChatCompletionRequest):
-        try:
-            messages = [m.for_template() for m in body.messages]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages")
-        return self._tok.render(messages, body.tools), None
+    async def _chat_events(self, body: ChatCompletionRequest):
+        """The rendered prompt of a chat request and its output parser (which may adjust
+        the request first: named/required tool choice -> guided JSON)."""
+        messages = body.template_messages(self._cfg.openai.max_messages)
+        kwargs = openai_api.template_kwargs(self._cfg, body)
+        parser = self._parsers.for_request(body, kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        text = await asyncio.to_thread(self._tok.render, messages, tools, kwargs)
+        return text, None, parser
 
-    def _completion_events(self, body: CompletionRequest):
-        return body.prompt_text_or_ids()
+    async def _completion_events(self, body: CompletionRequest):
+        text, ids = body.prompt_text_or_ids()
+        return text, ids, None
 
     def _record_turn(self, result: TurnResult, body) -> None:
         """Metrics of a finished turn (`app.metrics`); starts the metrics poll. Never
@@ -357,22 +399,28 @@ class Ingress:
             "timings": result.timings,
         }
 
-    async def _collect(self, kind: str, body, turn: TurnInput) -> dict:
+    async def _collect(self, kind: str, body, prepared: _Prepared) -> dict:
+        turn = prepared.turn
         texts: list[str] = []
         token_ids: list[int] = []
+        logprobs: list | None = [] if body.requested_logprobs is not None else None
         result = None
         async for event in self._turns.run(turn):
             if isinstance(event, Delta):
                 texts.append(event.text)
                 token_ids.extend(event.token_ids)
+                if logprobs is not None and event.logprobs:
+                    logprobs.extend(event.logprobs)
             else:
                 result = event
         self._record_turn(result, body)
         text = "".join(texts)
         if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": result.finish_reason, "logprobs": None}
+            message, called = openai_api.chat_message(prepared.parser, self._parsers.auto_tools, body, text, token_ids)
+            reason = openai_api.finish_reason(result.finish_reason, called)
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": openai_api.chat_logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": openai_api.completion_logprobs(logprobs)}
         response = {
             "id": turn.request_id,
             "object": kind,
@@ -387,37 +435,67 @@ class Ingress:
             response["prompt_token_ids"] = list(result.prompt_token_ids)
         return response
 
-    async def _chunks(self, kind: str, body, turn: TurnInput) -> AsyncIterator[dict]:
-        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    async def _chunks(self, kind: str, body, prepared: _Prepared) -> AsyncIterator[dict]:
+        """OpenAI chunks of a turn. The turn's first event is awaited before the first
+        chunk, so errors raised before the answer starts reach the caller first."""
+        turn = prepared.turn
+        chat = kind == "chat.completion"
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
+        stream = openai_api.ChatStream(prepared.parser, body, turn.prompt_ids) if chat else None
+        offset = 0
 
         def envelope(choices: list, **extra) -> dict:
             return {"id": turn.request_id, "object": chunk_kind, "created": created, "model": self._cfg.model_name, "choices": choices, **extra}
 
-        if kind == "chat.completion":
+        events = self._turns.run(turn)
+        first = await anext(events)
+        if chat:
             yield envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        async for event in self._turns.run(turn):
+
+        async def all_events():
+            yield first
+            async for event in events:
+                yield event
+
+        async for event in all_events():
             if isinstance(event, Delta):
-                if kind == "chat.completion":
-                    choice = {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
+                if chat:
+                    delta = stream.delta(event.text, event.token_ids)
+                    if delta is None and not event.logprobs and not body.return_token_ids:
+                        continue
+                    choice = {"index": 0, "delta": delta or {}, "finish_reason": None}
+                    if event.logprobs is not None:
+                        choice["logprobs"] = openai_api.chat_logprobs(event.logprobs)
                 else:
                     choice = {"index": 0, "text": event.text, "finish_reason": None}
+                    if event.logprobs is not None:
+                        choice["logprobs"] = openai_api.completion_logprobs(event.logprobs, offset)
+                    offset += len(event.text)
                 if body.return_token_ids:
                     choice["token_ids"] = list(event.token_ids)
                 yield envelope([choice])
                 continue
             self._record_turn(event, body)
-            last = {"index": 0, "finish_reason": event.finish_reason}
-            last.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
+            if chat:
+                tail = stream.delta("", (), finished=True)
+                if tail:
+                    yield envelope([{"index": 0, "delta": tail, "finish_reason": None}])
+                last = {"index": 0, "delta": {}, "finish_reason": openai_api.finish_reason(event.finish_reason, stream.called_tools)}
+            else:
+                last = {"index": 0, "text": "", "finish_reason": event.finish_reason}
             extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}
             yield envelope([last], kvturn=self._reuse(event), **extra)
             if body.include_usage:
                 yield envelope([], usage=self._usage(event))
 
-    async def _sse(self, kind: str, body, turn: TurnInput) -> AsyncIterator[str]:
+    async def _sse(self, first: dict, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """Server-sent events of the chunks; an error after the stream started is an
+        OpenAI-style error event, then `[DONE]`."""
         try:
-            async for chunk in self._chunks(kind, body, turn):
+            yield f"data: {json.dumps(first)}\n\n"
+            async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as exc:  # headers are sent: report the error in-stream
-            yield f"data: {json.dumps(json.loads(_error_response(exc).body))}\n\n"
+            yield f"data: {json.dumps(openai_api.error_body(exc)[1])}\n\n"
         yield "data: [DONE]\n\n"

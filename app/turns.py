@@ -78,6 +78,8 @@ class TurnInput:
 class Delta:
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple | None = None
+    """The engine's `TokenLogprob`s of these tokens, when the request asked for them."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ class Turns:
                 generated.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if chunk.token_ids or chunk.text:
-                    yield Delta(chunk.text, chunk.token_ids)
+                    yield Delta(chunk.text, chunk.token_ids, chunk.logprobs)
                 if chunk.finished:
                     final = chunk
             if final is None:

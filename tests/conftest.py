@@ -44,6 +44,8 @@ def pd_config(**overrides):
         "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40, "pull_timeout_s": 15},
         # Short lifetimes so the expiry and clean-up tests need not wait long.
         "sessions": {"handle_ttl_s": 25},
+        # vLLM's Qwen3 reasoning parser; thinking off unless a request turns it on.
+        "openai": {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False}},
         "app_name": "pd",
     }
     for key, value in overrides.items():
