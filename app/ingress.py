@@ -127,6 +127,7 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
         max_sessions=s.max_sessions,
         max_blocks_per_engine=s.max_pinned_blocks_per_engine,
         index_block_size=cfg.block_size,
+        pinned_fraction=s.pinned_fraction,
         shards=s.store_shards,
     )
 

@@ -48,6 +48,7 @@ class StoreSettings:
     max_sessions: int
     max_blocks_per_engine: int
     index_block_size: int
+    pinned_fraction: float = 0.5
     shards: int = 1
 
     def store_kwargs(self) -> dict[str, Any]:

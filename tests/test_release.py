@@ -17,7 +17,7 @@ from app.config import AppConfig
 from app.memory import DecodeMemory
 from connector import release
 from connector.handle import KVHandle, Location
-from connector.store import Conversation
+from connector.store import Conversation, TurnOutcome
 
 
 # -- worker side ------------------------------------------------------------------------
@@ -214,3 +214,54 @@ async def test_store_without_hooks_is_left_alone():
 
 def cfg_for_memory(**sessions) -> AppConfig:
     return AppConfig.model_validate({"model": tempfile.mkdtemp(), "sessions": sessions})
+
+
+# -- the store's side (connector.store) -----------------------------------------------------
+
+
+def stored_store(clock):
+    from connector.store import HandleStore
+
+    return HandleStore(
+        handle_ttl_s=25, decoder_ttl_s=30, max_sessions=100, max_blocks_per_engine=1_000_000, clock=clock, pinned_fraction=0.5
+    )
+
+
+def conv_on(session: str, blocks: int, engine="e0", replica="d0", request=None) -> Conversation:
+    handle = KVHandle(Location.DECODE, engine, request or f"req-{session}", (tuple(range(blocks)),), "h", 1, blocks * 32)
+    return Conversation(session, tuple(range(blocks * 32)), blocks * 32 - 8, handle=handle, decode_replica=replica)
+
+
+def test_store_budget_from_engine_capacity_and_releases():
+    now = [100.0]
+    store = stored_store(lambda: now[0])
+    for i in range(4):
+        store.put(conv_on(f"s{i}", 10))
+    assert store.take_releases() == []
+    store.set_engine_capacity("e0", 50)  # budget 25 blocks: the two oldest handles go
+    released = store.take_releases()
+    assert [(r.request_id, r.decode_replica, r.num_blocks, r.reason) for r in released] == [
+        ("req-s0", "d0", 10, "evicted"),
+        ("req-s1", "d0", 10, "evicted"),
+    ]
+    # Taken releases no longer count as pinned: only the two waiting handles do.
+    assert store.pinned_blocks("e0") == 20
+    # A superseded handle is released too.
+    store.put(conv_on("s3", 12, request="req-s3-b"))
+    assert [(r.request_id, r.reason) for r in store.take_releases()] == [("req-s3", "superseded")]
+
+
+def test_store_end_session_and_pin_remaining():
+    now = [100.0]
+    store = stored_store(lambda: now[0])
+    store.put(conv_on("a", 4))
+    now[0] += 12
+    claim = store.begin_turn("a")
+    assert claim.handle is not None and claim.pin_remaining_s == pytest.approx(18.0)
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, None)
+    assert [(r.request_id, r.reason) for r in store.take_releases()] == [("req-a", "unused")]
+    store.put(conv_on("b", 3))
+    assert store.end_session("b") is True
+    assert store.end_session("b") is False
+    assert [(r.request_id, r.reason) for r in store.take_releases()] == [("req-b", "ended")]
+    assert store.begin_turn("b").miss_reason == "no_conversation"
