@@ -55,6 +55,7 @@ class Turn:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    miss_reason: str | None = None
     seconds: float = 0.0
 
 
@@ -68,6 +69,8 @@ class Report:
     pinned_blocks_after_ttl: dict | None = None
     engine_processes_while_running: dict | None = None
     engine_processes_after_shutdown: int | None = None
+    turn_counts: dict | None = None
+    """The ingress's orchestration counters after the load (`/v1/kv/stats`)."""
     wall_s: float = 0.0
 
     def summary(self) -> dict:
@@ -80,6 +83,8 @@ class Report:
             "later_turns_ok": len(later),
             "reuse_token_fraction": round(sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3),
             "later_turns_reusing": round(sum(t.cached_tokens > 0 for t in later) / max(1, len(later)), 3),
+            "later_turn_misses": dict(Counter(t.miss_reason for t in later if t.miss_reason)),
+            "turn_counters": self.turn_counts,
             "kills": self.kills,
             "claimed_handles_after_load": self.claimed_handles_after_load,
             "pinned_blocks_after_ttl": self.pinned_blocks_after_ttl,
@@ -105,6 +110,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
                 return None, session_id
             data = r.json()
             usage, text = data["usage"], data["choices"][0]["message"]["content"]
+            rec.miss_reason = (data.get("kvturn") or {}).get("miss_reason")
         else:
             body.update(stream=True, stream_options={"include_usage": True})
             texts, usage, done = [], None, False
@@ -122,6 +128,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
                     if "error" in chunk:
                         rec.error = "stream_error:" + str(chunk["error"].get("type") or chunk["error"].get("code"))
                     usage = chunk.get("usage") or usage
+                    if "kvturn" in chunk:
+                        rec.miss_reason = chunk["kvturn"].get("miss_reason")
                     for choice in chunk.get("choices", []):
                         texts.append(choice.get("delta", {}).get("content") or "")
             if rec.error:
@@ -211,7 +219,11 @@ async def fault_injector(args, report: Report, done: list, total: int, can_kill:
             event.update(target=target, killed=None, why="no Ray cluster reachable")
         else:
             try:
-                result = kill_store_shard(args.app, rng) if target == "store" else kill_replica(args.app, target, rng)
+                # Off the event loop: Serve refuses blocking handle calls inside one.
+                if target == "store":
+                    result = await asyncio.to_thread(kill_store_shard, args.app, rng)
+                else:
+                    result = await asyncio.to_thread(kill_replica, args.app, target, rng)
             except Exception as exc:
                 result = {"target": target, "killed": None, "why": repr(exc)}
             event.update(result)
@@ -300,6 +312,11 @@ async def drive(args, report: Report, can_kill: bool) -> None:
         injector = asyncio.create_task(fault_injector(args, report, done, total, can_kill))
         await asyncio.gather(*(run_session(i, args, client, model, deadline, report, done) for i in range(args.sessions)))
         injector.cancel()
+        try:
+            stats = (await client.get(args.url + "/v1/kv/stats")).json()
+            report.turn_counts = stats.get("turns")
+        except Exception:
+            pass
 
 
 def main(argv=None) -> int:
