@@ -3,8 +3,6 @@ engines (an ingress-only app, no engine of its own), real engines and NIXL behin
 
 from __future__ import annotations
 
-import inspect
-
 import httpx
 import pytest
 from ray import serve
@@ -23,8 +21,8 @@ def keyed(apps):
     prefill = serve.get_deployment_handle("PrefillServer", "pd")
     decode = serve.get_deployment_handle("DecodeServer", "pd")
     # pd's own store too (sessions of both apps in one store: the namespaces keep them apart).
-    store = (serve.get_deployment_handle("SessionStore", "pd"),) if "store" in inspect.signature(Ingress.__init__).parameters else ()
-    app = Ingress.options(ray_actor_options={"num_cpus": 0}).bind(cfg, prefill, decode, *store)
+    store = serve.get_deployment_handle("SessionStore", "pd")
+    app = Ingress.options(ray_actor_options={"num_cpus": 0}).bind(cfg, prefill, decode, store)
     serve.run(app, name="pd-keys", route_prefix="/keys")
     yield apps["url"] + "/keys"
     serve.delete("pd-keys")
@@ -61,6 +59,7 @@ def test_same_session_header_does_not_cross_tenants(keyed):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Check the deploy logs, tenant A. " * 3}]
     r1 = post(keyed, KEY_A, msgs, session="shared")
     assert r1.status_code == 200 and r1.json()["kvturn"]["session_id"] == "shared"
+    assert r1.json()["kvturn"]["miss_reason"] == "no_conversation"  # the store answered
     follow = msgs + [{"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]}, {"role": "user", "content": "Tool: ok. " * 6}]
     before = engine_stats("PrefillServer")
     rb = post(keyed, KEY_B, follow, session="shared").json()
