@@ -4,6 +4,7 @@
     python -m bench --profile smoke --out /tmp/smoke.json
     python -m bench --profile gpu            # one accelerator, Qwen3-8B shape, ~24k-token histories
     python -m bench --url http://host:8000 --label bidir-prod   # an already running deployment
+    python -m bench store --quick            # the session store alone (bench/store.py)
 
 Without --url it starts a local Ray cluster of its own, deploys the app once per mode
 (`oneway`: plain P/D, prefill recomputes the history each turn; `bidir`: P/D with the
@@ -134,6 +135,11 @@ def _profile_from(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["store"]:  # the session store benchmark: python -m bench store [--quick ...]
+        from bench import store
+
+        return store.main(argv[1:])
     args = parse_args(argv)
     prof = _profile_from(args)
     from tqdm import tqdm

@@ -258,19 +258,11 @@ def _compact(token_ids: Sequence[int]) -> array:
 def _token_chain(data: bytes, width: int, blocks: int, start: int = 0, prev: int = 0) -> list[int]:
     """Chain hashes of blocks `start + 1 .. blocks` of `data` (`width` bytes a block),
     continuing from `prev`, the hash of the first `start` blocks."""
-    out = []
-    for offset in range(start * width, blocks * width, width):
-        prev = hash((prev, data[offset : offset + width]))
-        out.append(prev)
-    return out
+    return [prev := hash((prev, data[o : o + width])) for o in range(start * width, blocks * width, width)]
 
 
 def _text_chain(text: str, width: int, blocks: int, start: int = 0, prev: int = 0) -> list[int]:
-    out = []
-    for offset in range(start * width, blocks * width, width):
-        prev = hash((prev, text[offset : offset + width]))
-        out.append(prev)
-    return out
+    return [prev := hash((prev, text[o : o + width])) for o in range(start * width, blocks * width, width)]
 
 
 class _Record:
