@@ -29,7 +29,7 @@ from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
 from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.routing import LiveReplicas
 from app.turns import Delta, TurnInput, TurnResult, Turns
-from connector.actor import StoreClient, StoreSettings
+from connector.actor import StoreClient, StoreSettings, StoreUnavailable
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
@@ -279,7 +279,10 @@ class Ingress:
     async def stats(self) -> dict:
         out: dict[str, Any] = {"turns": dict(self._turns.counts)}
         if self._store is not None:
-            out["store"] = await self._store.stats()
+            try:
+                out["store"] = await self._store.stats()
+            except StoreUnavailable as exc:  # restarting or redeploying: say so, don't fail
+                out["store"] = {"unavailable": str(exc)}
         return out
 
     async def _call(self, model_cls, events, kind, body, session_id, api_key=None):
