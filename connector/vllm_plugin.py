@@ -27,9 +27,12 @@ those processes first (SIGINT to the process group, then SIGTERM and `ray stop -
 were seen to leave them running, re-parented to init and ignoring SIGTERM. In every vLLM
 process other than the owner (the replica process named by the variable) a daemon thread
 watches the owner: once it is gone, or this process was re-parented (its parent died),
-it SIGKILLs this process's children and then itself. No parent-death signal
-(`PR_SET_PDEATHSIG`): it fires when the parent *thread* that spawned the process exits,
-and the replica may start its engine from a short-lived thread.
+it SIGKILLs this process's children and then itself. The kernel backs it up: the process
+also asks for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), which works even when the
+interpreter is stuck (a thread can starve on the GIL or freeze in finalization). That
+signal fires when the parent *thread* that spawned the process exits: the replica starts
+its engine from Serve's user-code event loop thread, which lives as long as the replica,
+and vLLM's engine core starts its workers from its main thread.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -170,12 +174,27 @@ def guard_lifetime(owner_pid: int, poll_s: float = GUARD_POLL_S) -> threading.Th
         return None
     if _guard is not None and _guard[0] == me and _guard[1].is_alive():
         return _guard[1]
-    thread = threading.Thread(
-        target=_watch, args=(owner_pid, os.getppid(), poll_s), name="kvturn-lifetime-guard", daemon=True
-    )
+    parent = os.getppid()
+    set_parent_death_signal()
+    thread = threading.Thread(target=_watch, args=(owner_pid, parent, poll_s), name="kvturn-lifetime-guard", daemon=True)
     thread.start()
     _guard = (me, thread)
     return thread
+
+
+def set_parent_death_signal() -> bool:
+    """Ask the kernel (Linux) to SIGKILL this process when the thread that spawned it exits.
+    Returns whether it was set. A parent that died before this call is caught by the
+    guard's first check (the parent changed)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except Exception:
+        return False
 
 
 def owner_gone(owner_pid: int, parent_pid: int) -> bool:

@@ -197,15 +197,19 @@ import os, subprocess, sys, time
 from connector import vllm_plugin
 vllm_plugin.GUARD_POLL_S = 0.1
 vllm_plugin.register()  # reads KVTURN_OWNER_PID, as vLLM's plugin loader would
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
 print(os.getpid(), worker.pid, flush=True)
 time.sleep(600)
 """
 
+# A vLLM worker below the engine core loads the plugin too; a plain child does not.
+_GUARDED_WORKER = "from connector import vllm_plugin; vllm_plugin.register(); import time; time.sleep(600)"
+_PLAIN_CHILD = "import time; time.sleep(600)"
+
 _OWNER = """
 import os, subprocess, sys
 os.environ["KVTURN_OWNER_PID"] = str(os.getpid())
-engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
 print(engine.stdout.readline().strip(), flush=True)
 import time; time.sleep(600)
 """
@@ -225,26 +229,47 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
-def _owner_with_engine():
-    import subprocess
-    import sys
+def _env(**extra):
+    import os
     from pathlib import Path
 
     repo = str(Path(__file__).resolve().parent.parent)
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER, _ENGINE], stdout=subprocess.PIPE, text=True, cwd=repo, env={**__import__("os").environ, "PYTHONPATH": repo})
-    engine, worker = map(int, owner.stdout.readline().split())
-    return owner, engine, worker
+    return repo, {**os.environ, "PYTHONPATH": repo, **extra}
 
 
 def test_engine_tree_dies_with_its_owner():
+    """The replica (owner) is SIGKILLed: the engine core and its worker die (kernel
+    parent-death signal, and the guard thread)."""
     import signal
+    import subprocess
+    import sys
 
-    owner, engine, worker = _owner_with_engine()
-    time.sleep(0.5)
-    assert not _gone(engine, 0.3), "the guard must not fire while the owner lives"
+    repo, env = _env()
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, _ENGINE, _GUARDED_WORKER], stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    engine, worker = map(int, owner.stdout.readline().split())
+    time.sleep(1.0)
+    assert not _gone(engine, 0.3) and not _gone(worker, 0.1), "the guard must not fire while the owner lives"
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     assert _gone(engine, 5) and _gone(worker, 5)
+
+
+def test_guard_kills_the_tree_when_the_owner_is_gone():
+    """The owner is not the parent (a worker below the engine core, or an owner that died
+    without the parent noticing): the guard thread kills this process and its children."""
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    repo, env = _env(KVTURN_OWNER_PID=str(owner.pid))
+    engine_proc = subprocess.Popen([sys.executable, "-c", _ENGINE, _PLAIN_CHILD], stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    engine, child = map(int, engine_proc.stdout.readline().split())
+    time.sleep(0.5)
+    assert not _gone(engine, 0.3)
+    owner.kill()
+    owner.wait()
+    assert _gone(engine, 5) and _gone(child, 5)
+    engine_proc.wait(5)
 
 
 def test_guard_is_inert_in_the_owner(monkeypatch):
