@@ -110,8 +110,11 @@ class PrefillPace:
     """How long prefill legs take here, to give a leg that pulls history a deadline that
     covers its compute: `pull_timeout_s` bounds what the pull adds, not the whole leg.
 
-    Tracks seconds per computed prompt token of recent legs (a moving average over this
-    ingress's legs, queueing included) and the tokens that legs in flight will compute."""
+    Tracks seconds per prompt token the prefill pool computes (a moving average over this
+    ingress's legs: a leg's time over its own tokens plus those of the legs that were in
+    flight when it started, since it waited for them) and the tokens that legs in flight
+    will compute. Counting the legs ahead in the pace keeps queueing from being counted
+    twice under load (once in the pace, again in the tokens ahead)."""
 
     MIN_TOKENS = 64
     """Legs computing fewer tokens are mostly fixed cost; they don't update the pace."""
@@ -121,10 +124,12 @@ class PrefillPace:
         self.seconds_per_token: float | None = None
         self.tokens_in_flight = 0
 
-    def observe(self, computed_tokens: int, seconds: float) -> None:
+    def observe(self, computed_tokens: int, seconds: float, ahead_tokens: int = 0) -> None:
+        """A leg computed `computed_tokens` in `seconds`, after `ahead_tokens` of legs
+        that were in flight when it started."""
         if computed_tokens < self.MIN_TOKENS or seconds <= 0:
             return
-        pace = seconds / computed_tokens
+        pace = seconds / (computed_tokens + max(0, ahead_tokens))
         old = self.seconds_per_token
         self.seconds_per_token = pace if old is None else old + self._weight * (pace - old)
 
@@ -387,13 +392,14 @@ class Turns:
     async def _paced_prefill(self, request: EngineRequest, new_tokens: int, timeout: float | None = None) -> EngineChunk:
         """One prefill call, counted in the pace: its `new_tokens` are in flight while it
         runs, and a call that finishes updates the seconds per computed token."""
+        ahead = self.pace.tokens_in_flight
         self.pace.tokens_in_flight += new_tokens
         started = time.monotonic()
         try:
             final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
         finally:
             self.pace.tokens_in_flight -= new_tokens
-        self.pace.observe(len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started)
+        self.pace.observe(len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead)
         return final
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:

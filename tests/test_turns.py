@@ -805,6 +805,18 @@ def test_prefill_pace_deadline():
     assert pace.deadline(1000, 30.0) == pytest.approx(30.0 + 2 * 0.003 * 1500)
 
 
+def test_prefill_pace_counts_queueing_once():
+    """Under load a leg's time includes the legs ahead of it: the pace is per token the
+    pool computed, so the expected time of a leg with many legs ahead stays linear in
+    the tokens ahead instead of growing with their square."""
+    pace = PrefillPace(weight=1.0)
+    # 63 legs of 1,000 tokens ahead, each leg computing 1,000 at 1 ms a token: 64 s.
+    pace.observe(1000, 64.0, ahead_tokens=63_000)
+    assert pace.seconds_per_token == pytest.approx(0.001)
+    pace.tokens_in_flight = 63_000
+    assert pace.expected(1000) == pytest.approx(64.0)
+
+
 async def test_turn_reports_where_the_time_went(model_dir):
     rig = Rig(model_dir, PacedEngines(0.001), max_model_len=1024)
     _, _, r = await rig.turn(text=LONG_SYSTEM + "USER: hi\nASSISTANT:")
