@@ -191,9 +191,11 @@ class StoreClient:
         return sum(await asyncio.gather(*(self._call(a.drop_engine.remote(engine_id)) for a in actors)))
 
     async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
-        """Every shard keeps its own pins on that engine within the budget."""
+        """The engine's blocks are split evenly among the shards: each keeps its own pins
+        on that engine within its part of the budget, so together they stay within it."""
         actors = await self._shards()
-        await asyncio.gather(*(self._call(a.set_engine_capacity.remote(engine_id, total_blocks)) for a in actors))
+        share = max(1, total_blocks // len(actors))
+        await asyncio.gather(*(self._call(a.set_engine_capacity.remote(engine_id, share)) for a in actors))
 
     async def take_releases(self) -> list:
         actors = await self._shards()

@@ -89,3 +89,12 @@ async def test_a_dead_shard_is_unavailable():
     source.shards[0].dead = True
     with pytest.raises(StoreUnavailable, match="failed"):
         await client.match([1, 2, 3])
+
+
+async def test_an_engine_budget_is_split_among_the_shards():
+    source = Source()
+    source.shards = [FakeShard(), FakeShard(), FakeShard()]
+    client = StoreClient(source, SETTINGS)
+    await client.set_engine_capacity("d-0", 300)
+    # pinned_fraction 0.5 of 100 blocks each: three shards together keep at most 150.
+    assert [s.store._pins.budget("d-0") for s in source.shards] == [50, 50, 50]
