@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pd_config(**overrides):
+    from vllm.config import StructuredOutputsConfig
+
     from app.config import AppConfig
 
     tree = {
@@ -40,7 +42,14 @@ def pd_config(**overrides):
         "max_model_len": 2048,
         "default_max_tokens": 16,
         "prefill": {"num_cpus": 0.5, "enable_prefix_caching": False, "kv_cache_memory_bytes": 128 << 20},
-        "decode": {"num_cpus": 0.5, "num_replicas": 2, "kv_cache_memory_bytes": 128 << 20},
+        # Guided JSON without free whitespace: the random-weight model otherwise loops on
+        # newlines inside JSON until max_tokens (vLLM's --structured-outputs-config).
+        "decode": {
+            "num_cpus": 0.5,
+            "num_replicas": 2,
+            "kv_cache_memory_bytes": 128 << 20,
+            "engine_kwargs": {"structured_outputs_config": StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)},
+        },
         "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40, "pull_timeout_s": 15},
         # Short lifetimes so the expiry and clean-up tests need not wait long.
         "sessions": {"handle_ttl_s": 25},
