@@ -17,17 +17,24 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-qwen3"
 PD_PORT = 8123
-METRICS_PORT = int(os.environ.get("KVTURN_TEST_METRICS_PORT", "8124"))
+# Not 8124: the two-node test's Serve proxy listens there.
+METRICS_PORT = int(os.environ.get("KVTURN_TEST_METRICS_PORT", "8129"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the engine tests, and run the tests sharing the `apps` cluster last: the tests
-    that start Ray clusters of their own (two nodes, the benchmark) then never run beside
-    its idle engines on this small machine."""
+    """Mark the engine tests, and run the tests on the shared cluster (`ray_cluster`, and
+    the `apps` on it) last, the `apps` ones at the very end: the tests that start Ray
+    clusters of their own (two nodes, lifetime, the benchmark) then never run beside the
+    shared cluster or its idle engines on this small machine."""
     for item in items:
-        if "apps" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
-    items.sort(key=lambda item: "apps" in getattr(item, "fixturenames", ()))
+
+    def order(item) -> tuple[bool, bool]:
+        fixtures = getattr(item, "fixturenames", ())
+        return "ray_cluster" in fixtures, "apps" in fixtures
+
+    items.sort(key=order)
 
 
 def pd_config(**overrides):
