@@ -176,7 +176,7 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
                 if spec.tool_tokens_min is not None:
                     size = kinds.randint(spec.tool_tokens_min, spec.tool_tokens)
                 text = tool_output(rng, size, counter)
-                turns.append(TurnPlan("tool", ({"role": "tool", "content": f"[{name}] {text}"},), counter.count(text)))
+                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text)))
             else:
                 text = f"Task {s}.{t}: " + prose(rng, spec.user_tokens, counter)
                 turns.append(TurnPlan("user", ({"role": "user", "content": text},), counter.count(text)))
