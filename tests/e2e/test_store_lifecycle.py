@@ -65,12 +65,17 @@ def test_store_follows_redeploys_survives_shard_restarts_and_leaves_with_the_app
         assert (await client.stats())["shards"][_shard("s1")]["open_leases"] == 1
         _, shards = await handle.shards.remote()
         ray.kill(shards[_shard("s1")], no_restart=False)
+        # The kill is asynchronous: the old shard may still answer for a moment. Only a
+        # restart can drop the lease (no turn ended it), so wait for the fresh shard.
         for _ in range(60):
             try:
-                return await client.stats()
+                stats = await client.stats()
+                if stats["shards"][_shard("s1")]["open_leases"] == 0:
+                    return stats
             except StoreUnavailable:
-                await asyncio.sleep(0.5)
-        raise AssertionError("the restarted shard never answered")
+                pass
+            await asyncio.sleep(0.5)
+        raise AssertionError("the restarted shard never answered, or kept the lease")
 
     stats = asyncio.run(claim_and_restart())
     assert stats["shards"][_shard("s1")]["open_leases"] == 0  # lost with the old shard
