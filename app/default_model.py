@@ -116,8 +116,11 @@ def build(out: Path, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> Pa
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size=1024)
+    # The weights are drawn for the trained vocabulary first, then rows for the markup
+    # tokens are appended: every other weight stays what the same seed always gave, a
+    # model whose greedy answers are known to keep clear of near-ties.
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) - len(MARKUP_TOKENS),
         hidden_size=hidden,
         intermediate_size=hidden * 3,
         num_hidden_layers=layers,
@@ -136,6 +139,7 @@ def build(out: Path, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> Pa
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").write_text(

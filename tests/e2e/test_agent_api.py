@@ -109,58 +109,6 @@ def _ref_tokens(apps, messages, **kwargs) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "sse"])
-def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
-    client = _client(apps)
-    block = apps["pd"].block_size
-    question = f"Check the weather in Paris and read the syslog ({'stream' if stream else 'plain'})."
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    turns = [
-        dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=160),
-        dict(tool_choice="auto", max_tokens=24),
-        dict(tool_choice="required", max_tokens=160),
-    ]
-    reuse = []
-    for i, choice in enumerate(turns):
-        before = engine_stats("PrefillServer")
-        reply = _create(client, stream, messages=messages, tools=TOOLS, **choice)
-        after = engine_stats("PrefillServer")
-        assert reply["token_ids"] and reply["usage"]["completion_tokens"] == len(reply["token_ids"])
-        # Greedy tokens equal one engine's answer to the same request (same grammar) up to
-        # the first grammar-constrained choice: there the few allowed tokens can be near-ties
-        # that P/D and a single engine break differently (seen at ~token 31 of a call).
-        ref = _ref_tokens(apps, messages, tools=TOOLS, **choice)
-        assert reply["token_ids"][:16] == ref[:16]
-        if choice["tool_choice"] == "auto":
-            if reply["tool_calls"]:
-                _assert_valid_calls(reply, set(SCHEMAS))
-            else:
-                assert reply["finish_reason"] in ("length", "stop") and reply["content"]
-                # Unconstrained text: also equal to plain greedy decoding of the prompt ids.
-                assert reply["token_ids"] == reference_tokens(apps["url"], reply["prompt_token_ids"], len(reply["token_ids"]))
-        else:
-            names = {"get_weather"} if isinstance(choice["tool_choice"], dict) else set(SCHEMAS)
-            _assert_valid_calls(reply, names)
-        if i > 0:
-            # The history (tool calls and results re-rendered by the template) came from decode.
-            pulled = delta(after, before)["prompt_tokens_external"]
-            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert pulled >= prev_prompt - 2 * block, (pulled, prev_prompt)
-            assert cached >= pulled
-            reuse.append(round(cached / reply["usage"]["prompt_tokens"], 3))
-        prev_prompt = reply["usage"]["prompt_tokens"]
-        assistant = {"role": "assistant", "content": reply["content"]}
-        if reply["tool_calls"]:
-            assistant["tool_calls"] = reply["tool_calls"]
-        messages = messages + [assistant]
-        for call in reply["tool_calls"]:
-            result = {"get_weather": '{"temp": 21, "sky": "clear"}', "read_logs": "error: file not found; info: retrying in 5 seconds"}
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result[call["function"]["name"]] * 8})
-        if not reply["tool_calls"]:
-            messages.append({"role": "user", "content": "Now read the logs, please."})
-    print(f"\ntool-call turns reuse (cached/prompt) {'sse' if stream else 'plain'}: {reuse}")
-
-
 def test_response_format_json_schema_validates(apps):
     schema = {
         "type": "object",

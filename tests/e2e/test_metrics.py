@@ -82,10 +82,13 @@ def test_reuse_counters_on_the_metrics_port(apps):
     after = engine_stats("PrefillServer")
     assert after["kv_transfer_bytes"] > before["kv_transfer_bytes"]
 
+    # Other apps on the shared cluster export their engines too: this app's prefill only.
+    engine = after["engine_id"]
+
     def engines_counted(s):
-        assert total(s, "ray_kvturn_nixl_transfer_bytes_total", role="prefill") == after["kv_transfer_bytes"]
-        assert total(s, "ray_kvturn_nixl_transfers_total", role="prefill") == after["kv_transfers"]
-        assert total(s, "ray_kvturn_nixl_transfer_seconds_total", role="prefill") > 0
+        assert total(s, "ray_kvturn_nixl_transfer_bytes_total", role="prefill", engine=engine) == after["kv_transfer_bytes"]
+        assert total(s, "ray_kvturn_nixl_transfers_total", role="prefill", engine=engine) == after["kv_transfers"]
+        assert total(s, "ray_kvturn_nixl_transfer_seconds_total", role="prefill", engine=engine) > 0
         assert total(s, "ray_kvturn_engine_kv_blocks", role="decode") > 0
         assert "ray_kvturn_engine_kv_blocks_in_use" in s
         assert "ray_kvturn_store_handles" in s and "ray_kvturn_store_sessions" in s
