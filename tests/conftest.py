@@ -37,6 +37,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)
 
 
+def config_with(tree: dict, overrides: dict):
+    """`AppConfig` of `tree` with dotted-key `overrides` (`"decode.num_replicas": 1`) set."""
+    from app.config import AppConfig
+
+    for key, value in overrides.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return AppConfig.model_validate(tree)
+
+
 def pd_config(**overrides):
     from vllm.config import StructuredOutputsConfig
 
@@ -64,13 +77,7 @@ def pd_config(**overrides):
         "openai": {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False}},
         "app_name": "pd",
     }
-    for key, value in overrides.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return AppConfig.model_validate(tree)
+    return config_with(tree, overrides)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import MODEL, PD_PORT
+from tests.conftest import MODEL, PD_PORT, config_with
 from tests.e2e.helpers import MODEL as MODEL_NAME
 from tests.e2e.helpers import SYSTEM, chat
 
@@ -38,8 +38,6 @@ WORDS = "tool result weather city temperature forecast wind rain sunny cloudy hu
 
 
 def mem_config(**overrides):
-    from app.config import AppConfig
-
     tree = {
         "mode": "bidir",
         "model": str(MODEL),
@@ -64,13 +62,7 @@ def mem_config(**overrides):
         "sessions": {"handle_ttl_s": HANDLE_TTL_S, "pinned_fraction": PINNED_FRACTION, "release_interval_s": 0.5},
         "app_name": "mem",
     }
-    for key, value in overrides.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return AppConfig.model_validate(tree)
+    return config_with(tree, overrides)
 
 
 @pytest.fixture(scope="module")
