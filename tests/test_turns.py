@@ -25,6 +25,7 @@ from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
 from app.turns import Delta, PrefillPace, TurnInput, TurnResult, Turns
+from tests.conftest import config_with
 from connector.handle import first_leg_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 
@@ -254,13 +255,7 @@ def make_cfg(model_dir, **overrides) -> AppConfig:
         "transfer": {"recompute_threshold_tokens": THRESHOLD},
         "sessions": {"handle_ttl_s": 60},
     }
-    for key, value in overrides.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return AppConfig.model_validate(tree)
+    return config_with(tree, overrides)
 
 
 def make_store(cfg: AppConfig) -> LocalStore:
