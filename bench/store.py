@@ -20,7 +20,8 @@ arrive through Ray. Also: bytes per session (the store's estimate) and the proce
 resident memory growth while building. Then, through the real Ray actor
 (`connector.actor.HandleStoreActor`, `ray.init(num_cpus=2)`: run it under the heavy lock),
 `--callers` asyncio callers in this process do begin+end turn pairs on `--actor-sessions`
-sessions for `--actor-seconds`: turns/s of one shard and the latency of a pair.
+sessions for `--actor-seconds` through `StoreClient`, as an ingress does (its per-shard
+batches included): turns/s of one shard and the latency of a pair.
 
 Results: JSON (`--out`) and a markdown table next to it (same name, `.md`), also printed.
 """
@@ -229,7 +230,7 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
 def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
     import ray
 
-    from connector.actor import HandleStoreActor
+    from connector.actor import HandleStoreActor, StoreClient
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -237,6 +238,8 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
             handle_ttl_s=420, decoder_ttl_s=480, max_sessions=10**6, max_blocks_per_engine=10**12, index_block_size=BLOCK
         )
         n = args.actor_sessions
+        # What an ingress replica uses: per-turn operations batched per shard.
+        client = StoreClient.of_actors([actor], timeout_s=60.0)
 
         async def preload():
             for start in range(0, n, 64):
@@ -251,10 +254,10 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
             while time.perf_counter() < stop_at:
                 sid = f"s{rng.randrange(n)}"
                 t0 = time.perf_counter()
-                claim = await actor.begin_turn.remote(sid)
+                claim = await client.begin_turn(sid)
                 held = claim.conversation
                 nxt = fleet.next_turn(held, 4 * 10**7 + idx * 10**6 + k) if held is not None else None
-                await actor.end_turn.remote(claim.lease_id, TurnOutcome.PULLED, nxt)
+                await client.end_turn(claim, TurnOutcome.PULLED, nxt)
                 pairs.append(time.perf_counter() - t0)
                 k += 1
 

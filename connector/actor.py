@@ -12,6 +12,12 @@ asks `SessionStore` for the shard handles once, and again after a call failed. E
 call has a deadline; a failed or late call raises `StoreUnavailable`, and the turn goes
 on without reuse. Sessions are sharded by a stable hash of their id; a sessionless prompt
 is matched against every shard.
+
+Per-turn operations (begin turn, end turn, end session) are batched per shard: while one
+batch is in flight to a shard, the operations that arrive queue up and leave together in
+the next one (`HandleStoreActor.apply`), in arrival order. An idle shard gets an
+operation at once, so one turn costs one round trip; a busy one costs a round trip per
+batch, not per operation, which is what lets one shard keep up with a fleet.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from connector.store import Claim, Conversation, HandleStore, TurnOutcome
+from connector.store import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, HandleStore, TurnOutcome
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,11 +56,35 @@ class StoreSettings:
     index_block_size: int
     pinned_fraction: float = 0.5
     shards: int = 1
+    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
 
     def store_kwargs(self) -> dict[str, Any]:
+        """One shard's `HandleStore` arguments: the byte bound is split among the shards."""
         kwargs = dataclasses.asdict(self)
         kwargs.pop("shards")
+        kwargs["max_store_bytes"] = max(1, self.max_store_bytes // self.shards)
         return kwargs
+
+
+BATCH_OPS = ("begin_turn", "end_turn", "end_session")
+"""Store operations that travel in a shard's batches."""
+
+MAX_BATCH = 256
+
+
+def apply_ops(store: HandleStore, ops: Sequence[tuple[str, tuple]]) -> list[tuple[bool, Any]]:
+    """Run a batch of `(operation, args)` on `store` in order: one `(ok, result or
+    exception)` per operation. One operation's error does not stop the others."""
+    results: list[tuple[bool, Any]] = []
+    for name, args in ops:
+        if name not in BATCH_OPS:
+            results.append((False, ValueError(f"{name!r} is not a batched store operation")))
+            continue
+        try:
+            results.append((True, getattr(store, name)(*args)))
+        except Exception as exc:  # returned to that operation's caller
+            results.append((False, exc))
+    return results
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -67,6 +97,10 @@ class HandleStoreActor:
 
     def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         return self._store.match(prompt_ids, prompt_text)
+
+    def apply(self, ops: list[tuple[str, tuple]]) -> list[tuple[bool, Any]]:
+        """A batch of per-turn operations from one ingress (`StoreClient`), in order."""
+        return apply_ops(self._store, ops)
 
     def begin_turn(self, session_id: str) -> Claim:
         return self._store.begin_turn(session_id)
@@ -130,6 +164,7 @@ class StoreClient:
         self._expected = expected
         self._timeout = timeout_s
         self._actors: list | None = None
+        self._queues: dict[int, _ShardQueue] = {}
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -161,6 +196,7 @@ class StoreClient:
                     # A redeploy in flight: the old store answered. Ask again next time.
                     raise StoreUnavailable(f"the running store has settings {settings}, not {self._expected}")
                 self._actors = actors
+                self._queues = {i: _ShardQueue(a, self._call) for i, a in enumerate(actors)}
         return self._actors
 
     async def _call(self, ref) -> Any:
@@ -175,16 +211,20 @@ class StoreClient:
         actors = await self._shards()
         return actors[shard_of(session_id, len(actors))]
 
+    async def _batched(self, session_id: str, op: str, *args) -> Any:
+        actors = await self._shards()
+        return await self._queues[shard_of(session_id, len(actors))].submit(op, args)
+
     async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         actors = await self._shards()
         results = await asyncio.gather(*(self._call(a.match.remote(list(prompt_ids), prompt_text)) for a in actors))
         return max(results, key=lambda r: (r[0] is not None, r[1]))
 
     async def begin_turn(self, session_id: str) -> Claim:
-        return await self._call((await self._shard(session_id)).begin_turn.remote(session_id))
+        return await self._batched(session_id, "begin_turn", session_id)
 
     async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
-        await self._call((await self._shard(claim.session_id)).end_turn.remote(claim.lease_id, outcome, conversation))
+        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, conversation)
 
     async def drop_engine(self, engine_id: str) -> int:
         actors = await self._shards()
@@ -203,9 +243,47 @@ class StoreClient:
         return [r for shard in shards for r in shard]
 
     async def end_session(self, session_id: str) -> bool:
-        return await self._call((await self._shard(session_id)).end_session.remote(session_id))
+        return await self._batched(session_id, "end_session", session_id)
 
     async def stats(self) -> dict:
         actors = await self._shards()
         shards = await asyncio.gather(*(self._call(a.stats.remote()) for a in actors))
         return {"shards": shards}
+
+
+class _ShardQueue:
+    """The per-turn operations bound for one shard: at most one batch in flight; what
+    arrives meanwhile leaves in the next batch. A failed batch fails each of its
+    operations with `StoreUnavailable`."""
+
+    def __init__(self, actor, call: Callable[[Any], Awaitable[Any]]):
+        self._actor = actor
+        self._call = call
+        self._pending: list[tuple[str, tuple, asyncio.Future]] = []
+        self._sending = False
+
+    def submit(self, op: str, args: tuple) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((op, args, future))
+        if not self._sending:
+            self._sending = True
+            asyncio.get_running_loop().create_task(self._send())
+        return future
+
+    async def _send(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+                try:
+                    results = await self._call(self._actor.apply.remote([(op, args) for op, args, _ in batch]))
+                except StoreUnavailable as exc:
+                    results = [(False, exc)] * len(batch)
+                for (_, _, future), (ok, value) in zip(batch, results):
+                    if future.done():  # its caller went away
+                        continue
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+        finally:
+            self._sending = False

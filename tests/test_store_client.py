@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import ray
 
-from connector.actor import StoreClient, StoreSettings, StoreUnavailable
+from connector.actor import StoreClient, StoreSettings, StoreUnavailable, apply_ops
 from connector.store import HandleStore, TurnOutcome
 
 SETTINGS = StoreSettings(handle_ttl_s=10, decoder_ttl_s=20, max_sessions=10, max_blocks_per_engine=100, index_block_size=4)
@@ -25,6 +25,9 @@ class _Method:
                 await asyncio.sleep(3600)
             if self._shard.dead:
                 raise ray.exceptions.RayActorError()
+            self._shard.calls += 1
+            if self._name == "apply":
+                return apply_ops(self._shard.store, *args)
             return getattr(self._shard.store, self._name)(*args)
 
         return call()
@@ -35,6 +38,7 @@ class FakeShard:
         self.store = HandleStore(**SETTINGS.store_kwargs())
         self.hang = False
         self.dead = False
+        self.calls = 0
 
     def __getattr__(self, name):
         return _Method(self, name)
@@ -98,3 +102,46 @@ async def test_an_engine_budget_is_split_among_the_shards():
     await client.set_engine_capacity("d-0", 300)
     # pinned_fraction 0.5 of 100 blocks each: three shards together keep at most 150.
     assert [s.store._pins.budget("d-0") for s in source.shards] == [50, 50, 50]
+
+
+async def test_concurrent_turns_share_round_trips_and_keep_their_order():
+    source = Source()
+    client = StoreClient(source, SETTINGS)
+    await client.stats()
+    shard = source.shards[0]
+    calls = shard.calls
+    claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(8)))
+    # Issued in one tick of the event loop: one batch, one round trip for eight turns.
+    assert shard.calls - calls == 1
+    assert [c.session_id for c in claims] == [f"s{i}" for i in range(8)]
+    assert (await client.stats())["shards"][0]["open_leases"] == 8
+    # An end and the next begin of one session, issued together, run in that order.
+    calls = shard.calls
+    await asyncio.gather(client.end_turn(claims[0], TurnOutcome.UNUSED, None), client.begin_turn("s0"))
+    assert shard.calls - calls <= 2
+    assert (await client.stats())["shards"][0]["open_leases"] == 8
+
+
+async def test_a_failed_batch_fails_each_of_its_turns_and_the_next_batch_goes_out():
+    source = Source()
+    client = StoreClient(source, SETTINGS, timeout_s=0.05)
+    await client.stats()
+    source.shards[0].hang = True
+    results = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(4)), return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailable) for r in results), results
+    source.shards = [FakeShard()]
+    assert (await client.begin_turn("s1")).session_id == "s1"
+
+
+def test_one_operation_failing_leaves_the_rest_of_its_batch_applied():
+    store = HandleStore(**SETTINGS.store_kwargs())
+    results = apply_ops(store, [("begin_turn", ("a",)), ("drop_engine", ("d-0",)), ("begin_turn", ("b",))])
+    assert [ok for ok, _ in results] == [True, False, True]
+    assert isinstance(results[1][1], ValueError)
+    assert store.stats()["open_leases"] == 2
+
+
+def test_the_store_byte_bound_is_split_among_the_shards():
+    settings = StoreSettings(**{**SETTINGS.__dict__, "shards": 4, "max_store_bytes": 8 << 30})
+    assert settings.store_kwargs()["max_store_bytes"] == 2 << 30
+    assert "shards" not in settings.store_kwargs()
