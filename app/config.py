@@ -157,6 +157,14 @@ class SessionConfig(_Strict):
         420.0, gt=0, description="How long a stored KV handle may be used; must be below decoder_kv_blocks_ttl_s."
     )
     max_sessions: int = Field(10_000, ge=1, description="Conversations kept (LRU); older ones lose their handle.")
+    max_store_bytes: int = Field(
+        4 << 30,
+        ge=1 << 20,
+        description=(
+            "Memory the store may use for conversations (token ids and prefix index), split evenly "
+            "among the shards; past it the least recently used conversations are dropped."
+        ),
+    )
     max_pinned_blocks_per_engine: int = Field(
         1_000_000,
         ge=1,
@@ -184,7 +192,14 @@ class SessionConfig(_Strict):
             "and session deletes release at once."
         ),
     )
-    store_shards: int = Field(1, ge=1, description="Ray actors holding handles, sharded by session.")
+    store_shards: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ray actors holding handles, sharded by session. One shard serves several thousand "
+            "turns/s (`python -m bench.store`); add shards for larger fleets."
+        ),
+    )
     store_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray resources of the SessionStore replica (placement, e.g. {'head': 0.01}); its shards run beside it.",

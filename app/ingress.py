@@ -129,6 +129,7 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
         index_block_size=cfg.block_size,
         pinned_fraction=s.pinned_fraction,
         shards=s.store_shards,
+        max_store_bytes=s.max_store_bytes,
     )
 
 
