@@ -213,7 +213,12 @@ class StoreClient:
 
     async def _batched(self, session_id: str, op: str, *args) -> Any:
         actors = await self._shards()
-        return await self._queues[shard_of(session_id, len(actors))].submit(op, args)
+        queued = self._queues[shard_of(session_id, len(actors))].submit(op, args)
+        try:
+            # Queued behind at most one batch in flight, then sent: two deadlines at most.
+            return await asyncio.wait_for(queued, 2 * self._timeout)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailable(f"store {op} got no answer in {2 * self._timeout:.0f} s") from exc
 
     async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         actors = await self._shards()
@@ -278,6 +283,9 @@ class _ShardQueue:
                     results = await self._call(self._actor.apply.remote([(op, args) for op, args, _ in batch]))
                 except StoreUnavailable as exc:
                     results = [(False, exc)] * len(batch)
+                except Exception as exc:  # never leave a caller waiting
+                    unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
+                    results = [(False, unavailable)] * len(batch)
                 for (_, _, future), (ok, value) in zip(batch, results):
                     if future.done():  # its caller went away
                         continue

@@ -145,3 +145,19 @@ def test_the_store_byte_bound_is_split_among_the_shards():
     settings = StoreSettings(**{**SETTINGS.__dict__, "shards": 4, "max_store_bytes": 8 << 30})
     assert settings.store_kwargs()["max_store_bytes"] == 2 << 30
     assert "shards" not in settings.store_kwargs()
+
+
+async def test_a_batch_that_cannot_be_sent_fails_its_turns_instead_of_leaving_them_waiting():
+    source = Source()
+    client = StoreClient(source, SETTINGS, timeout_s=5)
+    await client.stats()
+
+    class NoApply(FakeShard):
+        def __getattr__(self, name):
+            if name == "apply":  # e.g. a shard of an older release
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    client._queues[0]._actor = NoApply()
+    results = await asyncio.wait_for(asyncio.gather(client.begin_turn("a"), client.begin_turn("b"), return_exceptions=True), 1)
+    assert all(isinstance(r, StoreUnavailable) for r in results), results
