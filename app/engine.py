@@ -82,6 +82,10 @@ class EngineChunk:
     kv_params: dict[str, Any] | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     """One entry per token in `token_ids` when the request asked for logprobs."""
+    engine_timings: dict[str, float] | None = None
+    """On the first chunk with a token: the engine's own view of the request, from vLLM's
+    request stats. `queue_s`: waiting to be scheduled; `first_token_s`: arrival at the
+    engine to its first token (for decode in P/D this includes reading the KV it lacks)."""
 
 
 @dataclass
@@ -414,8 +418,12 @@ class VLLMEngine:
 
         params = sampling_params(request)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        timed = False
         async for out in self._llm.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]
+            timings = None
+            if not timed and completion.token_ids:
+                timings, timed = _engine_timings(out.metrics), True
             yield EngineChunk(
                 token_ids=tuple(completion.token_ids),
                 text=completion.text,
@@ -426,6 +434,7 @@ class VLLMEngine:
                 num_cached_tokens=out.num_cached_tokens or 0,
                 kv_params=out.kv_transfer_params if out.finished else None,
                 logprobs=_logprobs(completion.token_ids, completion.logprobs, params.logprobs) if params.logprobs is not None else None,
+                engine_timings=timings,
             )
 
     async def abort(self, request_id: str) -> None:
@@ -463,6 +472,14 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _engine_timings(stats) -> dict[str, float] | None:
+    """`EngineChunk.engine_timings` from vLLM's `RequestStateStats` (None without stats)."""
+    if stats is None or not getattr(stats, "first_token_ts", 0.0):
+        return None
+    queue = max(0.0, stats.scheduled_ts - stats.queued_ts) if stats.scheduled_ts else 0.0
+    return {"queue_s": round(queue, 5), "first_token_s": round(stats.first_token_latency, 5)}
 
 
 def sampling_params(request: EngineRequest):

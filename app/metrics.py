@@ -35,6 +35,7 @@ from ray.util import metrics as ray_metrics
 
 logger = logging.getLogger("ray.serve")
 
+HOP_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0]
 TTFT_BOUNDARIES = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
 STORE_BOUNDARIES = [0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
 TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
@@ -56,6 +57,31 @@ def chat_turn_index(messages: Sequence[Any]) -> int:
     return 1 + sum(1 for m in messages if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant")
 
 
+def turn_hops(timings: Mapping[str, float]) -> dict[str, float]:
+    """A turn's time to first token split into its hops (`TurnResult.timings`): `store`
+    (session resolved), `verify` (handle checked against the prompt), `prefill_engine`
+    (the prefill engine's own span: queue, compute, NIXL read of the history),
+    `prefill_transport` (the rest of the prefill leg: Serve call, routing), `decode_engine`
+    (the decode engine's span to its first token, its KV read included) and
+    `decode_transport` (the rest). Hops whose inputs are missing are left out."""
+    t = dict(timings)
+    hops: dict[str, float] = {}
+    if "store_s" in t:
+        hops["store"] = t["store_s"]
+        if "session_s" in t:
+            hops["verify"] = t["session_s"] - t["store_s"]
+    leg_start = t.get("session_s")
+    if "prefill_s" in t and leg_start is not None:
+        if "prefill_engine_s" in t:
+            hops["prefill_engine"] = t["prefill_engine_s"]
+            hops["prefill_transport"] = t["prefill_s"] - leg_start - t["prefill_engine_s"]
+        leg_start = t["prefill_s"]
+    if "first_token_s" in t and leg_start is not None and "decode_engine_s" in t:
+        hops["decode_engine"] = t["decode_engine_s"]
+        hops["decode_transport"] = t["first_token_s"] - leg_start - t["decode_engine_s"]
+    return {k: max(0.0, round(v, 5)) for k, v in hops.items()}
+
+
 class TurnMetrics:
     """Turn-level metrics of one ingress replica. `record_turn` is called once per
     finished turn (from the event loop; it never blocks)."""
@@ -69,6 +95,12 @@ class TurnMetrics:
             "Time from a turn's arrival at the ingress to decode's first output.",
             boundaries=TTFT_BOUNDARIES,
             tag_keys=tags,
+        )
+        self.hops = ray_metrics.Histogram(
+            "kvturn_turn_hop_seconds",
+            "Where a turn's time to first token went, by hop (`app.metrics.turn_hops`).",
+            boundaries=HOP_BOUNDARIES,
+            tag_keys=("mode", "hop"),
         )
         self.prompt_tokens = ray_metrics.Counter("kvturn_prompt_tokens", "Prompt tokens of answered turns.", tag_keys=tags)
         self.pulled = ray_metrics.Counter(
@@ -120,6 +152,8 @@ class TurnMetrics:
         timings = result.timings or {}
         if "first_token_s" in timings:
             self.ttft.observe(timings["first_token_s"], tags=tags)
+        for hop, seconds in turn_hops(timings).items():
+            self.hops.observe(seconds, tags={"mode": self._mode, "hop": hop})
         # Ray's Counter.inc refuses values <= 0: a turn that reused nothing adds nothing.
         for counter, value in (
             (self.prompt_tokens, result.prompt_tokens),

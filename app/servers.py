@@ -15,6 +15,8 @@ the engine is dead, and Serve replaces the replica.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 from dataclasses import asdict
@@ -123,9 +125,11 @@ class PrefillServer(EngineServer):
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
         """Compute the prompt (pulling what the transfer params allow) and keep its KV
         for a decode engine. Returns the final output and this replica's id."""
-        last = None
+        last, timings = None, None
         async for chunk in self._run(request):
-            last = chunk
+            last, timings = chunk, chunk.engine_timings or timings
+        if last is not None and last.engine_timings is None and timings is not None:
+            last = dataclasses.replace(last, engine_timings=timings)
         return last, self.replica_id
 
 

@@ -98,9 +98,14 @@ class TurnResult:
     spliced: bool
     decode_replica: str | None
     timings: dict[str, float] | None = None
-    """Where the time to first token went, in seconds from the turn's start:
-    `session_s` (session and handle resolved), `prefill_s` (prefill leg done, P/D only),
-    `first_token_s` (first output from decode)."""
+    """Where the time to first token went. Milestones, in seconds from the turn's start:
+    `store_s` (session resolved: the store's round trip), `session_s` (handle verified
+    against the prompt), `prefill_s` (prefill leg back at the ingress, P/D only),
+    `first_token_s` (first output from decode). The engines' own spans, from vLLM's
+    request stats: `prefill_engine_s` / `decode_engine_s` (arrival at the engine to its
+    first token; decode's includes reading the KV it lacks) and their `*_queue_s` parts.
+    What `first_token_s` has beyond `session_s` and the two engine spans is transport
+    (Serve calls, scheduling, serialization)."""
 
 
 TurnEvent = Delta | TurnResult
@@ -162,6 +167,7 @@ class Turns:
         started = time.monotonic()
         timings: dict[str, float] = {}
         session_id, prompt_ids, claim = await self._resolve_session(turn)
+        timings["store_s"] = time.monotonic() - started
         pin_deadline = self._pin_deadline(claim)
         outcome, new_conv = TurnOutcome.UNUSED, None
         try:
@@ -172,7 +178,7 @@ class Turns:
             timings["session_s"] = time.monotonic() - started
             decode_params, cached, pulled = None, 0, 0
             if self._cfg.disaggregated:
-                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline)
+                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline, timings)
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
@@ -192,6 +198,9 @@ class Turns:
             async for chunk, replica in self._decode(request):
                 if "first_token_s" not in timings:
                     timings["first_token_s"] = time.monotonic() - started
+                if chunk.engine_timings and "decode_engine_s" not in timings:
+                    timings["decode_queue_s"] = chunk.engine_timings["queue_s"]
+                    timings["decode_engine_s"] = chunk.engine_timings["first_token_s"]
                 generated.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if chunk.token_ids or chunk.text:
@@ -330,10 +339,16 @@ class Turns:
         return handle, None
 
     async def _prefill(
-        self, turn: TurnInput, prompt_ids, history: KVHandle | None, pin_deadline: float | None = None
+        self,
+        turn: TurnInput,
+        prompt_ids,
+        history: KVHandle | None,
+        pin_deadline: float | None = None,
+        timings: dict[str, float] | None = None,
     ) -> tuple[dict | None, int, bool]:
         """Run the prefill leg. Returns params for decode (None: decode computes all),
         the prompt tokens prefill did not compute, and whether the offered history was read.
+        The engine's own times of the leg that answered go into `timings`.
 
         A leg that pulls history gets a deadline (`PrefillPace.deadline`: the pull's
         `transfer.pull_timeout_s` on top of the compute expected here); past it the call
@@ -371,6 +386,9 @@ class Turns:
                 self.counts["pull_short"] += 1
         if final is None:  # prefill failed twice: decode computes the whole prompt
             return None, 0, False
+        if timings is not None and final.engine_timings:
+            timings["prefill_queue_s"] = final.engine_timings["queue_s"]
+            timings["prefill_engine_s"] = final.engine_timings["first_token_s"]
         try:
             return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:

@@ -65,7 +65,19 @@ def turn_stats(records: list) -> dict[str, Any]:
         # The app's own breakdown (mean seconds from the turn's start at the ingress).
         "app_prefill_done_mean_s": _mean(_timings(ok, "prefill_s")),
         "app_first_token_mean_s": _mean(_timings(ok, "first_token_s")),
+        "hops_mean_s": _hops(ok),
     }
+
+
+def _hops(records: list) -> dict[str, float]:
+    """Mean seconds of each hop of the time to first token (`app.metrics.turn_hops`)."""
+    from app.metrics import turn_hops
+
+    per_hop: dict[str, list[float]] = {}
+    for r in records:
+        for hop, seconds in turn_hops(r.timings or {}).items():
+            per_hop.setdefault(hop, []).append(seconds)
+    return {hop: _mean(values) for hop, values in per_hop.items()}
 
 
 def summarize(run: ModeRun, turns: int) -> dict[str, Any]:
@@ -77,7 +89,7 @@ def summarize(run: ModeRun, turns: int) -> dict[str, Any]:
     overall["wall_s"] = run.wall_s
     overall["output_tok_s_aggregate"] = overall["completion_tokens"] / run.wall_s if run.wall_s else None
     later = [r for r in run.records if r.turn > 1]
-    overall["later_turns"] = {k: v for k, v in turn_stats(later).items() if k.startswith("ttft") or k.endswith("tokens")}
+    overall["later_turns"] = {k: v for k, v in turn_stats(later).items() if k.startswith(("ttft", "hops", "itl")) or k.endswith("tokens")}
     prefill = run.engines.get("prefill")
     return {
         "label": run.label,
@@ -224,6 +236,20 @@ def markdown(results: dict) -> str:
         row += [_f(results["ratios"][k]["later_turns_ttft_p50"]) + "x" for k in ratio_keys]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    hop_names = ["store", "verify", "prefill_engine", "prefill_transport", "decode_engine", "decode_transport"]
+    if any(modes[m]["overall"]["later_turns"].get("hops_mean_s") for m in labels):
+        lines.append("Where the time to first token went, turns 2 and later (mean ms, from `kvturn.timings`):")
+        lines.append("")
+        head = ["mode"] + hop_names + ["client TTFT"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+        for m in labels:
+            later = modes[m]["overall"]["later_turns"]
+            hops = later.get("hops_mean_s") or {}
+            row = [m] + [_f(hops.get(h), 1, 1000.0) if h in hops else "-" for h in hop_names]
+            row.append(_f(later.get("ttft_mean_s"), 1, 1000.0))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
     head = ["mode", "turn", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT mean (s)", "prefill leg done (s)", "first token at ingress (s)", "ITL mean (ms)", "out tok/s", "cached", "computed", "from decode"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")

@@ -75,6 +75,31 @@ def test_record_turn_splits_prompt_tokens():
     assert m.misses.values == {m.misses._key({"mode": "bidir", "reason": "no_conversation"}): 1}
 
 
+def test_turn_hops_split_the_time_to_first_token():
+    timings = {
+        "store_s": 0.002, "session_s": 0.005, "prefill_queue_s": 0.001, "prefill_engine_s": 0.100,
+        "prefill_s": 0.120, "decode_queue_s": 0.0, "decode_engine_s": 0.030, "first_token_s": 0.160,
+    }
+    hops = metrics.turn_hops(timings)
+    assert hops == pytest.approx(
+        {"store": 0.002, "verify": 0.003, "prefill_engine": 0.100, "prefill_transport": 0.015, "decode_engine": 0.030, "decode_transport": 0.010}
+    )
+    assert sum(hops.values()) == pytest.approx(timings["first_token_s"])
+    # One engine (single mode): no prefill leg, decode's span starts after the session.
+    single = metrics.turn_hops({"store_s": 0.001, "session_s": 0.002, "decode_engine_s": 0.05, "first_token_s": 0.06})
+    assert single == pytest.approx({"store": 0.001, "verify": 0.001, "decode_engine": 0.05, "decode_transport": 0.008})
+    # A leg without the engine's stats (a failed prefill) leaves its hops out.
+    assert "prefill_engine" not in metrics.turn_hops({"store_s": 0.0, "session_s": 0.0, "prefill_s": 0.2, "first_token_s": 0.3})
+
+
+def test_record_turn_observes_each_hop():
+    m = recording(metrics.TurnMetrics("bidir"))
+    timings = {"store_s": 0.002, "session_s": 0.004, "decode_engine_s": 0.05, "first_token_s": 0.06}
+    m.record_turn(result(timings=timings), 1)
+    assert m.hops.observed[m.hops._key({"mode": "bidir", "hop": "decode_engine"})] == [0.05]
+    assert len(m.hops.observed) == 4
+
+
 def test_sync_events_exports_growth_only():
     m = recording(metrics.TurnMetrics("bidir"))
     m.sync_events({"spliced": 2, "pull_timeout": 1})

@@ -107,6 +107,7 @@ class FakeEngines:
                 num_prompt_tokens=len(prompt),
                 num_cached_tokens=cached,
                 kv_params=out_params,
+                engine_timings={"queue_s": 0.0, "first_token_s": 0.0},
             ),
             "prefill-0",
         )
@@ -190,6 +191,7 @@ class FakeEngines:
                     num_prompt_tokens=len(prompt),
                     num_cached_tokens=cached if last else 0,
                     kv_params=final_params,
+                    engine_timings={"queue_s": 0.0, "first_token_s": 0.0} if i == 0 else None,
                 ),
                 replica,
             )
@@ -816,15 +818,18 @@ async def test_turn_reports_where_the_time_went(model_dir):
     rig = Rig(model_dir, PacedEngines(0.001), max_model_len=1024)
     _, _, r = await rig.turn(text=LONG_SYSTEM + "USER: hi\nASSISTANT:")
     t = r.timings
-    assert set(t) == {"session_s", "prefill_s", "first_token_s"}
-    assert 0 <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
+    assert set(t) == {
+        "store_s", "session_s", "prefill_s", "first_token_s",
+        "prefill_engine_s", "prefill_queue_s", "decode_engine_s", "decode_queue_s",
+    }
+    assert 0 <= t["store_s"] <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
     assert t["prefill_s"] - t["session_s"] >= 0.001 * r.prompt_tokens  # the paced prefill leg
 
 
 async def test_single_mode_reports_no_prefill_leg(model_dir):
     rig = Rig(model_dir, mode="single")
     _, _, r = await rig.turn(text=P1)
-    assert set(r.timings) == {"session_s", "first_token_s"}
+    assert set(r.timings) == {"store_s", "session_s", "first_token_s", "decode_engine_s", "decode_queue_s"}
 
 
 # -- decode pin deadline (the claim's remaining pin time bounds the pull) --------------------
