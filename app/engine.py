@@ -210,6 +210,14 @@ def reserve_port_block(start: int, width: int, registry: str = _PORT_REGISTRY) -
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
+def engine_dtype(dtype: str, *, on_cpu: bool) -> str:
+    """The dtype an engine runs. vLLM's `auto` turns a float32 checkpoint into bfloat16; on
+    CPU this app resolves `auto` to float32 instead: CPUs without AVX512-BF16 run bfloat16
+    far slower, and with 16-bit KV a turn computed over a pulled prefix can break a near-tie
+    differently from a fresh prefill. Any explicit dtype is kept."""
+    return "float32" if dtype == "auto" and on_cpu else dtype
+
+
 def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, transfer: bool):
     """vLLM AsyncEngineArgs for one role. `transfer` adds the NixlConnector."""
     from vllm.config import KVTransferConfig
@@ -241,7 +249,7 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         model=cfg.model,
         tokenizer=cfg.tokenizer,
         served_model_name=[cfg.model_name],
-        dtype=cfg.dtype,
+        dtype=engine_dtype(cfg.dtype, on_cpu=current_platform.is_cpu()),
         load_format=cfg.load_format,
         max_model_len=cfg.max_model_len,
         block_size=cfg.block_size,

@@ -101,3 +101,12 @@ def test_plugin_gives_workers_a_thread_count_method():
 
     vllm_plugin.install_worker_info(Worker)
     assert getattr(Worker(), vllm_plugin.WORKER_THREADS)() == torch.get_num_threads()
+
+
+def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
+    from app.engine import engine_dtype
+
+    # vLLM's `auto` would run the embedded float32 model in bfloat16 on CPU.
+    assert engine_dtype("auto", on_cpu=True) == "float32"
+    assert engine_dtype("bfloat16", on_cpu=True) == "bfloat16"
+    assert engine_dtype("auto", on_cpu=False) == "auto"

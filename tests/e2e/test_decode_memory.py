@@ -27,7 +27,7 @@ from tests.e2e.helpers import SYSTEM, chat
 pytestmark = pytest.mark.e2e
 
 BLOCK = 32
-KV_BYTES_PER_BLOCK = 2 * 4 * 2 * 64 * BLOCK * 2  # K and V, 4 layers, 2 KV heads, head_dim 64, 2 bytes (CPU engine: bf16)
+KV_BYTES_PER_BLOCK = 2 * 4 * 2 * 64 * BLOCK * 4  # K and V, 4 layers, 2 KV heads, head_dim 64, 4 bytes (CPU engine: float32)
 DECODE_BLOCKS = 256
 DECODER_TTL_S = 30.0
 HANDLE_TTL_S = 25.0
@@ -154,6 +154,60 @@ class PinnedSampler:
         while not self._stop.is_set():
             self.samples.append(decode_blocks())
             self._stop.wait(period_s)
+
+
+def test_pressure_keeps_the_budget_and_frees_evicted_blocks_early(mem):
+    url, ref = mem["url"], mem["ref"]
+    blocks0 = decode_blocks()
+    total = blocks0["total"]
+    assert 150 <= total <= 400, blocks0  # sized for ~256 blocks of the tiny model's KV
+    cap = budget(total)
+    sessions, rounds, concurrency = 12, 3, 4
+    rng = random.Random(11)
+    histories = {f"mem-p{i}": [{"role": "system", "content": SYSTEM}] for i in range(sessions)}
+    replies: list = []
+    started = time.monotonic()
+
+    def one_turn(session: str):
+        messages = histories[session] + [{"role": "user", "content": tool_result(rng, 40)}]
+        t0 = time.monotonic()
+        reply = chat(url, messages, session=session, max_tokens=ANSWER_TOKENS)
+        elapsed = time.monotonic() - t0
+        histories[session] = messages + [{"role": "assistant", "content": reply.text}]
+        return reply, elapsed
+
+    settled_pinned = []
+    with PinnedSampler() as sampler, ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(rounds):
+            replies += list(pool.map(one_turn, list(histories)))
+            # Once the round's store updates and releases are through, only what the store
+            # keeps is pinned: within the budget, long before any pin's TTL.
+            settled = wait_for(lambda: (b := decode_blocks())["pinned"] <= cap and b, timeout_s=5.0)
+            assert settled, f"pinned blocks still over the budget of {cap}: {decode_blocks()}"
+            settled_pinned.append(settled["pinned"])
+    ran_s = time.monotonic() - started
+
+    # Every request answered in bounded time, with the reference engine's greedy tokens.
+    assert len(replies) == sessions * rounds
+    assert max(elapsed for _, elapsed in replies) < 60
+    for reply, _ in replies:
+        assert reply.token_ids == reference(ref, reply.prompt_token_ids, ANSWER_TOKENS)
+
+    # More was asked than fits: the store evicted, and the engine got those blocks back.
+    counts = ingress_counts(url)
+    assert counts.get("released_requests", 0) > 0 and counts.get("released_blocks", 0) > 0, counts
+    peak = max(s["pinned"] for s in sampler.samples)
+    largest = max(reply.usage["prompt_tokens"] + ANSWER_TOKENS for reply, _ in replies) // BLOCK + 1
+    # Between an answer's end and the store's eviction the engine briefly holds both: at
+    # most one conversation per request in flight over the budget.
+    assert peak <= cap + concurrency * largest, (peak, cap)
+    # The engine released them itself (its own expiry counter), all within the run, which
+    # is shorter than the pin TTL: no pin could have expired on its own.
+    assert ran_s < DECODER_TTL_S
+    assert decode_stats()["kv_expired_pins"] >= counts["released_requests"] > 0
+    # Reuse survived the pressure for the conversations the store kept.
+    assert sum(1 for reply, _ in replies if reply.kvturn["reused_from_decode"] > 0) > 0
+    assert decode_stats()["kv_reads_after_release"] == 0
 
 
 def test_pull_never_started_past_the_pin_deadline(mem):
