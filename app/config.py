@@ -104,6 +104,14 @@ class TransferConfig(_Strict):
             "0: NIXL's own setting."
         ),
     )
+    prefill_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "What a prefill leg without history may wait for a replica (e.g. all restarting), "
+            "on top of twice its expected compute; past that decode computes the prompt itself."
+        ),
+    )
     pull_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -362,14 +362,19 @@ class Turns:
             kv_params=prefill_params(history),
         )
         new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
-        timeout, by_pin = None, False
-        if history is not None:
-            timeout = self.pace.deadline(new_tokens, self._cfg.transfer.pull_timeout_s)
-            if pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
-                timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
+        # Every leg has a deadline: a pool with no live replica (all restarting) must not
+        # hold the turn; decode can always compute the prompt itself.
+        t = self._cfg.transfer
+        timeout, by_pin = self.pace.deadline(new_tokens, t.pull_timeout_s if history is not None else t.prefill_timeout_s), False
+        if history is not None and pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
+            timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
         try:
             final = await self._paced_prefill(request, new_tokens, timeout)
         except asyncio.TimeoutError:
+            if history is None:  # nothing to recompute without: decode computes the prompt
+                self.counts["prefill_timeout"] += 1
+                self.counts["prefill_skipped"] += 1
+                return None, 0, False
             self.counts["pull_deadline" if by_pin else "pull_timeout"] += 1
             final = await self._recompute_prefill(request)
             history = None
@@ -400,9 +405,10 @@ class Turns:
         replica, a dead one no longer among them). None if this fails too: the turn then
         goes to decode without transfer params (counted as `prefill_skipped`)."""
         retry = dataclasses.replace(failed, request_id=failed.request_id + "-recompute", kv_params=prefill_params(None))
+        new_tokens = len(retry.prompt_token_ids)
         try:
-            return await self._paced_prefill(retry, len(retry.prompt_token_ids))
-        except Exception as exc:
+            return await self._paced_prefill(retry, new_tokens, self.pace.deadline(new_tokens, self._cfg.transfer.prefill_timeout_s))
+        except Exception as exc:  # a timeout included
             self.counts["prefill_skipped"] += 1
             logger.warning("prefill retry %s failed, decode computes the prompt: %r", retry.request_id, exc)
             return None

@@ -60,6 +60,7 @@ class FakeEngines:
         self.dead: set[str] = set()
         self.broken: set[str] = set()  # raise before any output
         self.prefill_failures = 0  # the next this many prefill calls raise
+        self.prefill_unreachable = False  # prefill calls wait forever (no live replica)
         self.fail_mid_stream = False
         self.keeps_kv = keeps_kv
         self.eos = eos
@@ -73,6 +74,8 @@ class FakeEngines:
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
         self.prefill_requests.append(request)
+        if self.prefill_unreachable:
+            await asyncio.Event().wait()
         if self.prefill_failures:
             self.prefill_failures -= 1
             await asyncio.sleep(0)
@@ -980,6 +983,22 @@ async def test_prefill_failing_twice_leaves_decode_to_compute(model_dir):
     # The turn's own KV is stored: the next turn reuses again.
     _, _, r3 = await rig.turn(text=P1 + text1 + USER2 + "".join(s for _, s in rig.engines.answer(len(r2.prompt_token_ids), MAX_TOKENS)) + USER3)
     assert r3.reused_from_decode > 0
+
+
+async def test_unreachable_prefill_pool_leaves_decode_to_compute_within_the_deadline(model_dir):
+    rig = Rig(model_dir, **{"transfer.prefill_timeout_s": 0.05, "transfer.pull_timeout_s": 0.05})
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.prefill_unreachable = True  # every prefill replica restarting
+    # A leg with history: cut at its pull deadline, its recompute at the prefill deadline.
+    _, ids2, r2 = await asyncio.wait_for(rig.turn(text=P1 + text1 + USER2), 5)
+    assert rig.turns.counts["pull_timeout"] == 1 and rig.turns.counts["prefill_skipped"] == 1
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+    assert rig.engines.decode_requests[-1][0].kv_params is None
+    # A new conversation (no history): cut at the prefill deadline, decode computes it.
+    _, ids3, r3 = await asyncio.wait_for(rig.turn(text=P1 + "a new conversation", session="s2"), 5)
+    assert rig.turns.counts["prefill_timeout"] == 1 and rig.turns.counts["prefill_skipped"] == 2
+    assert ids3 == expected_answer(rig.engines, len(r3.prompt_token_ids))[1]
+    assert rig.turns.pace.tokens_in_flight == 0
 
 
 async def test_store_unavailable_at_the_start_serves_the_turn_without_reuse(model_dir):
