@@ -1,12 +1,41 @@
-"""Runs last: nothing leaked after the suite, then a decode replica dies mid-conversation."""
+"""Runs last: nothing leaked after the suite, then engines die under the conversation.
+
+The faults are real: Serve replicas of the shared `pd` app killed with `ray.kill` (their
+engine processes follow them), between turns, in the middle of a streamed answer, and the
+whole prefill pool. Each turn after a fault answers with the reference engine's tokens;
+a stream cut by its decode replica ends with an OpenAI-style error event and `[DONE]`."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import httpx
 import ray
 
-from tests.e2e.helpers import SYSTEM, chat, kv_stats, reference_tokens
+from tests.e2e.helpers import MODEL, SYSTEM, chat, kv_stats, reference_tokens
+
+
+def _replica_actor(deployment: str, replica: str | None = None):
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a["name"]
+        if name.startswith(f"SERVE_REPLICA::pd#{deployment}#") and (replica is None or name.endswith(replica)):
+            return ray.get_actor(name, namespace="serve")
+    raise AssertionError(f"no live {deployment} replica {replica or ''}")
+
+
+def _wait_running(deployment: str, replicas: int, within_s: float = 600.0) -> None:
+    """Until Serve runs `replicas` healthy replicas of `deployment` again (a killed one is
+    replaced, its engine started anew)."""
+    from ray import serve
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = serve.status().applications["pd"].deployments[deployment].replica_states
+        if states.get("RUNNING", 0) >= replicas and sum(states.values()) == states.get("RUNNING", 0):
+            return
+        time.sleep(2)
+    raise AssertionError(f"{deployment} not back to {replicas} replicas: {states}")
 
 
 def test_no_handle_left_claimed_and_pins_expire(apps):
@@ -26,12 +55,59 @@ def test_decode_replica_killed_between_turns(apps):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Survive a lost decode replica. " * 3}]
     first = chat(url, msgs, session="failover", max_tokens=20)
     victim = first.kvturn["decode_replica"]
-    name = next(
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::pd#DecodeServer#") and a["name"].endswith(victim)
-    )
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
     msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tool result: ok. " * 4}]
     second = chat(url, msgs, session="failover", max_tokens=20)
     assert second.kvturn["decode_replica"] != victim
     assert second.token_ids == reference_tokens(url, second.prompt_token_ids, len(second.token_ids))
+
+
+def test_decode_replica_killed_mid_stream(apps):
+    url = apps["url"]
+    _wait_running("DecodeServer", 2)  # the replica killed above is back
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Lose the stream, keep the session. " * 2}]
+    first = chat(url, msgs, session="midstream", max_tokens=8)
+    victim = first.kvturn["decode_replica"]
+    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now a long answer, please."}]
+    # The session's next turn streams from the same replica; it dies after the first token.
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    events, killed_at = [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"x-session-id": "midstream"}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if killed_at is None and line.startswith("data: {") and '"content"' in line:
+                killed_at = len(events)
+                ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
+    assert killed_at is not None and events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["code"] == "decode_failed" and error["error"]["type"] == "server_error", error
+    # Tokens were streamed before the error, fewer than asked: the answer was cut.
+    streamed = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert 0 < sum(len(c["choices"][0]["delta"].get("content") or "") for c in streamed if c.get("choices")) < 1500
+    # The client sends the turn again: the surviving replica answers it correctly.
+    again = chat(url, msgs, session="midstream", max_tokens=12)
+    assert again.kvturn["decode_replica"] != victim
+    assert again.token_ids == reference_tokens(url, again.prompt_token_ids, len(again.token_ids))
+
+
+def test_prefill_pool_lost_decode_computes_the_turn(apps):
+    url = apps["url"]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Survive a lost prefill pool. " * 3}]
+    first = chat(url, msgs, session="no-prefill", max_tokens=12)
+    assert first.kvturn["reused_from_decode"] == 0
+    counts = kv_stats(url)["turns"]
+    ray.kill(_replica_actor("PrefillServer"), no_restart=True)  # the only prefill replica
+    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tool result: still fine. " * 4}]
+    started = time.monotonic()
+    second = chat(url, msgs, session="no-prefill", max_tokens=12)
+    waited = time.monotonic() - started
+    after = kv_stats(url)["turns"]
+    # No prefill replica answered within the legs' deadlines: decode computed the prompt.
+    assert after.get("prefill_skipped", 0) == counts.get("prefill_skipped", 0) + 1, (counts, after)
+    assert second.kvturn["reused_from_decode"] == 0
+    assert second.token_ids == reference_tokens(url, second.prompt_token_ids, len(second.token_ids))
+    cfg = apps["pd"].transfer
+    assert waited < cfg.pull_timeout_s + 2 * cfg.prefill_timeout_s + 60, waited
