@@ -37,8 +37,8 @@ profiles:
          2 sessions x 6 turns, concurrency 2: system ~600 tokens, tool results ~1400
          tokens, answers 32 tokens, histories up to ~8k tokens (seed 4).
          About 12 minutes on 2 cores.
-  agentic  The cpu profile's model and engines; 2 sessions x 24 short turns, mostly tool
-         results of 100-500 tokens, histories up to ~10k tokens (coding agents).
+  agentic  The embedded model with the app's defaults; 2 sessions x 24 short turns, mostly
+         tool results of 100-300 tokens, histories up to ~7k tokens (coding agents).
   gpu    One accelerator (e.g. an H200) shared by prefill and decode (num_gpus 0.5 and
          gpu_memory_utilization 0.45 each; the single engine gets the same share).
          models/bench-qwen3-8b: Qwen3-8B's architecture (36 layers, hidden 4096, 32/8

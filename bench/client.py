@@ -142,6 +142,8 @@ async def run_session(
     messages: list[dict] = [{"role": "system", "content": workload.system}]
     records: list[TurnRecord] = []
     for i, turn in enumerate(plan.turns):
+        if turn.pause_s:
+            await asyncio.sleep(turn.pause_s)
         messages.extend(turn.messages)
         record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
         try:

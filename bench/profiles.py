@@ -3,18 +3,18 @@
 * `cpu` (default): `models/bench-qwen3` (12 layers, hidden 768, random weights) on CPU
   engines, each on half the cores (the app's own sizing); 2 sessions x 6 turns whose history grows to about 8k
   tokens, so prefill dominates. About 12 minutes on 2 cores for the three modes.
-* `agentic`: the `cpu` profile's model and engines; 2 sessions x 24 short turns (tool
-  results of 100-500 tokens) up to ~10k tokens of history, as coding agents run.
+* `agentic`: the embedded model with the app's defaults; 2 sessions x 24 short turns (tool
+  results of 100-300 tokens) up to ~7k tokens of history, as coding agents run.
 * `gpu`: Qwen3-8B's architecture (36 layers, hidden 4096, GQA 32/8, random weights, bf16)
   on one accelerator shared by prefill and decode; 8 sessions x 6 turns, histories to
   about 24k tokens.
 * `chat`: the embedded model with the app's defaults, 1 session x 6 turns of ~300 new
   tokens, 16-token answers: the fixed cost of P/D per turn, as `make run` users see it.
 * `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
-* `pressure`: the `cpu` profile's model with a decode KV cache that holds about a third
-  of what its conversations would pin (8 sessions x 6 turns at concurrency 8, histories to
-  ~4k tokens, 512 MiB of KV per engine, pins capped at half of it): reuse under memory
-  pressure, evictions and early releases (the ingress's `released_*` counters).
+* `pressure`: the embedded model, 12 agents of up to 6 turns that pause 0-4 s before each
+  turn and vanish at random (15% after each turn), on a decode engine of 384 blocks that
+  holds about a third of what they would pin: reuse under memory pressure, evictions and
+  early releases (the ingress's `released_*` counters).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class Profile:
     least-loaded routing a turn rarely lands where the session's last one did."""
     kv_cache_bytes: int | None = 1 * GiB
     """Per engine; None: vLLM's own sizing."""
+    decode_kv_cache_bytes: int | None = None
+    """The decode engine's (and the single engine's) KV, when it differs from `kv_cache_bytes`."""
     num_cpus: float | None = None
     """Ray CPUs per engine replica; the app sizes each engine's threads from it
     (`app.sizing`). None: half the benchmark cluster's CPUs, so that prefill and decode
@@ -94,7 +96,11 @@ class Profile:
             "enforce_eager": self.enforce_eager,
             "default_max_tokens": self.workload.answer_tokens,
             "prefill": {**role, "enable_prefix_caching": self.prefill_prefix_caching},
-            "decode": {**role, "enable_prefix_caching": True},
+            "decode": {
+                **role,
+                "enable_prefix_caching": True,
+                **({"kv_cache_memory_bytes": self.decode_kv_cache_bytes} if self.decode_kv_cache_bytes else {}),
+            },
             "transfer": {
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
@@ -140,15 +146,18 @@ def profile(name: str) -> Profile:
     if name == "agentic":
         return Profile(
             name="agentic",
-            model="bench-qwen3",
-            # A coding agent: 24 short turns, mostly tool results of 100-500 tokens, the
-            # history growing to ~10k tokens; each turn adds little, so recomputing the
-            # history (oneway) is nearly all of the work and reuse matters most.
-            workload=WorkloadSpec(sessions=2, turns=24, concurrency=2, system_tokens=600, user_tokens=100, tool_tokens=500, tool_tokens_min=100, answer_tokens=32, tool_prob=0.85, seed=1),
+            model=str(DEFAULT_MODEL),
+            # A coding agent on the embedded model with the app's defaults: 2 sessions of 24
+            # short turns, mostly tool results of 100-300 tokens, histories growing to ~7k
+            # tokens; each turn adds little, so recomputing the history (oneway) is nearly
+            # all of the work and reuse matters most.
+            workload=WorkloadSpec(sessions=2, turns=24, concurrency=2, system_tokens=400, user_tokens=80, tool_tokens=300, tool_tokens_min=100, answer_tokens=24, tool_prob=0.85, seed=1),
+            load_format="auto",
             dtype="float32",
-            enforce_eager=True,
-            max_model_len=12288,
-            kv_cache_bytes=1 * GiB,
+            enforce_eager=False,
+            max_model_len=8192,
+            kv_cache_bytes=None,
+            recompute_threshold_tokens=32,
             env=cpu_env(),
         )
     if name == "gpu":
@@ -200,15 +209,24 @@ def profile(name: str) -> Profile:
     if name == "pressure":
         return Profile(
             name="pressure",
-            model="bench-qwen3",
-            # ~24 KB of KV per token (float32): 512 MiB is ~680 blocks of 32 tokens, half of
-            # them for pins, while 8 conversations of ~4k tokens would pin ~1000.
-            workload=WorkloadSpec(sessions=8, turns=6, concurrency=8, system_tokens=600, user_tokens=200, tool_tokens=700, answer_tokens=32, tool_prob=0.7, seed=3),
+            model=str(DEFAULT_MODEL),
+            # A fleet that pauses and vanishes on a small decode engine: 12 agents of up to
+            # 6 turns (~3k tokens each by the end), a pause of 0-4 s before each later turn,
+            # and a 15% chance after each turn from the second that the agent is gone for
+            # good. The embedded model's float32 KV is 128 KiB a block: decode gets 48 MiB
+            # (384 blocks, half of them for pins) where the conversations would pin ~1,100.
+            workload=WorkloadSpec(
+                sessions=12, turns=6, concurrency=12, system_tokens=300, user_tokens=150, tool_tokens=500,
+                answer_tokens=24, tool_prob=0.7, pause_s=2.0, abandon_prob=0.15, seed=3,
+            ),
+            load_format="auto",
             dtype="float32",
-            enforce_eager=True,
+            enforce_eager=False,
             max_model_len=8192,
-            kv_cache_bytes=512 * MiB,
-            sessions={"pinned_fraction": 0.5},
+            kv_cache_bytes=256 * MiB,
+            decode_kv_cache_bytes=48 * MiB,
+            recompute_threshold_tokens=32,
+            sessions={"pinned_fraction": 0.5, "release_interval_s": 0.5},
             env=cpu_env(),
         )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")

@@ -107,6 +107,12 @@ class WorkloadSpec:
     tool_tokens_min: int | None = None
     """If set, each tool result's length is drawn uniformly from [tool_tokens_min,
     tool_tokens] (coding agents: many short results of varying size)."""
+    pause_s: float = 0.0
+    """Mean pause before each later turn (drawn uniformly from [0, 2 x pause_s]): a tool
+    running, a user reading. The session's last turn stays pinned on decode meanwhile."""
+    abandon_prob: float = 0.0
+    """Chance that a session ends after each of its turns from the second on, without a
+    word (its last turn stays pinned until the store lets it go)."""
 
     def __post_init__(self):
         for name in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens"):
@@ -116,6 +122,10 @@ class WorkloadSpec:
             raise ValueError("tool_prob must be within [0, 1]")
         if self.tool_tokens_min is not None and not 1 <= self.tool_tokens_min <= self.tool_tokens:
             raise ValueError("tool_tokens_min must be within [1, tool_tokens]")
+        if self.pause_s < 0:
+            raise ValueError("pause_s must be at least 0")
+        if not 0.0 <= self.abandon_prob < 1.0:
+            raise ValueError("abandon_prob must be within [0, 1)")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -129,6 +139,8 @@ class TurnPlan:
     messages: tuple[dict, ...]
     tokens: int
     """Tokens of the added content (template tokens not included)."""
+    pause_s: float = 0.0
+    """Seconds the client waits after the previous answer before sending this turn."""
 
 
 @dataclass(frozen=True)
@@ -168,17 +180,22 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
         rng = random.Random(f"kvturn-bench/{spec.seed}/{tag}/session/{s}")
         # Drawn apart from the texts, so the same seed gives the same kinds at any length.
         kinds = random.Random(f"kvturn-bench/{spec.seed}/{tag}/kinds/{s}")
+        # Pauses and abandonment from a stream of their own: texts and kinds stay the same.
+        pacing = random.Random(f"kvturn-bench/{spec.seed}/{tag}/pacing/{s}")
         turns = []
         for t in range(spec.turns):
+            if t >= 2 and pacing.random() < spec.abandon_prob:
+                break  # the agent is gone after turn t
+            pause = pacing.uniform(0.0, 2.0 * spec.pause_s) if t > 0 and spec.pause_s else 0.0
             if t > 0 and kinds.random() < spec.tool_prob:
                 name = rng.choice(_NAMES)
                 size = spec.tool_tokens
                 if spec.tool_tokens_min is not None:
                     size = kinds.randint(spec.tool_tokens_min, spec.tool_tokens)
                 text = tool_output(rng, size, counter)
-                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text)))
+                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text), pause))
             else:
                 text = f"Task {s}.{t}: " + prose(rng, spec.user_tokens, counter)
-                turns.append(TurnPlan("user", ({"role": "user", "content": text},), counter.count(text)))
+                turns.append(TurnPlan("user", ({"role": "user", "content": text},), counter.count(text), pause))
         sessions.append(SessionPlan(s, tuple(turns)))
     return Workload(spec, system, tuple(sessions), counter.exact)
