@@ -13,9 +13,9 @@ call has a deadline; a failed or late call raises `StoreUnavailable`, and the tu
 on without reuse. Sessions are sharded by a stable hash of their id; a sessionless prompt
 is matched against every shard.
 
-Per-turn operations (begin turn, end turn, end session) are batched per shard: while one
-batch is in flight to a shard, the operations that arrive queue up and leave together in
-the next one (`HandleStoreActor.apply`), in arrival order. An idle shard gets an
+Per-turn operations (begin turn, end turn, end session) are batched per shard: while a few
+batches are in flight to a shard, the operations that arrive queue up and leave together
+in the next one (`HandleStoreActor.apply`), in arrival order. A shard with room gets an
 operation at once, so one turn costs one round trip; a busy one costs a round trip per
 batch, not per operation, which is what lets one shard keep up with a fleet.
 """
@@ -257,41 +257,43 @@ class StoreClient:
 
 
 class _ShardQueue:
-    """The per-turn operations bound for one shard: at most one batch in flight; what
-    arrives meanwhile leaves in the next batch. A failed batch fails each of its
-    operations with `StoreUnavailable`."""
+    """The per-turn operations bound for one shard. Up to `MAX_IN_FLIGHT` batches are in
+    flight at once (Ray runs one caller's calls to an actor in the order they were sent);
+    what arrives while all are out leaves together in the next batch. A failed batch fails
+    each of its operations with `StoreUnavailable`."""
+
+    MAX_IN_FLIGHT = 4
 
     def __init__(self, actor, call: Callable[[Any], Awaitable[Any]]):
         self._actor = actor
         self._call = call
         self._pending: list[tuple[str, tuple, asyncio.Future]] = []
-        self._sending = False
+        self._senders: set[asyncio.Task] = set()
 
     def submit(self, op: str, args: tuple) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending.append((op, args, future))
-        if not self._sending:
-            self._sending = True
-            asyncio.get_running_loop().create_task(self._send())
+        if len(self._senders) < self.MAX_IN_FLIGHT:
+            task = loop.create_task(self._send())
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
         return future
 
     async def _send(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-                try:
-                    results = await self._call(self._actor.apply.remote([(op, args) for op, args, _ in batch]))
-                except StoreUnavailable as exc:
-                    results = [(False, exc)] * len(batch)
-                except Exception as exc:  # never leave a caller waiting
-                    unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
-                    results = [(False, unavailable)] * len(batch)
-                for (_, _, future), (ok, value) in zip(batch, results):
-                    if future.done():  # its caller went away
-                        continue
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value)
-        finally:
-            self._sending = False
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            try:
+                results = await self._call(self._actor.apply.remote([(op, args) for op, args, _ in batch]))
+            except StoreUnavailable as exc:
+                results = [(False, exc)] * len(batch)
+            except Exception as exc:  # never leave a caller waiting
+                unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
+                results = [(False, unavailable)] * len(batch)
+            for (_, _, future), (ok, value) in zip(batch, results):
+                if future.done():  # its caller went away
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
