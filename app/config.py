@@ -204,8 +204,8 @@ class SessionConfig(_Strict):
         1,
         ge=1,
         description=(
-            "Ray actors holding handles, sharded by session. One shard serves several thousand "
-            "turns/s (`python -m bench.store`); add shards for larger fleets."
+            "Ray actors holding handles, sharded by session. One shard served 300-1,000 turns/s "
+            "on a 2-core machine (`python -m bench.store`); add shards for larger fleets."
         ),
     )
     store_resources: dict[str, float] = Field(
