@@ -97,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
     e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
     e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
+    e.add_argument(
+        "--host-offload-gib", type=float,
+        help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
+    )
     e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: the app's sizing, half the cores)")
     e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -130,6 +134,7 @@ def _profile_from(args: argparse.Namespace):
         prefill_prefix_caching=args.prefill_prefix_caching,
         pull_timeout_s=args.pull_timeout_s,
         cpu_threads=args.threads,
+        host_offload_bytes=int(args.host_offload_gib * (1 << 30)) if args.host_offload_gib else None,
         env=env,
     )
 

@@ -63,6 +63,8 @@ class Profile:
     """The app's `transfer.pull_timeout_s` (None: the app's default). The app adds the
     compute it expects for the leg's new tokens, so the default suits CPU runs too."""
     kv_buffer_device: str | None = "cpu"
+    host_offload_bytes: int | None = None
+    """The app's `transfer.host_offload_bytes` (accelerator engines: a host-memory KV tier)."""
     env: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     """The app's `sessions.*` settings (e.g. `pinned_fraction`); empty: the app's defaults."""
@@ -105,6 +107,7 @@ class Profile:
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
                 **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
+                **({"host_offload_bytes": self.host_offload_bytes} if self.host_offload_bytes else {}),
             },
             "app_name": app_name,
             "env": dict(self.env),
