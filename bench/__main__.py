@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--answer-tokens", type=int, help="answer length (max_tokens, ignore_eos)")
     w.add_argument("--tool-prob", type=float, help="chance a later turn adds a tool result instead of a user message")
     w.add_argument("--seed", type=int, help="workload seed")
+    w.add_argument(
+        "--tool-calls", action=argparse.BooleanOptionalAction, default=None,
+        help="answers before a tool result go back as assistant tool calls (rendered by the chat template)",
+    )
     w.add_argument("--warmup-turns", type=int, default=2, help="turns of the unmeasured warm-up session per mode (0: none; default 2)")
 
     e = p.add_argument_group("engines (defaults come from the profile)")
@@ -112,7 +116,7 @@ def _profile_from(args: argparse.Namespace):
     prof = get_profile(args.profile)
     spec_changes = {
         k: getattr(args, k)
-        for k in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens", "tool_prob", "seed")
+        for k in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens", "tool_prob", "seed", "tool_calls")
         if getattr(args, k) is not None
     }
     from dataclasses import replace

@@ -164,8 +164,22 @@ async def run_session(
             return records
         records.append(record)
         on_turn(record)
-        messages.append({"role": "assistant", "content": answer})
+        messages.append(_assistant(answer, plan.turns[i + 1] if i + 1 < len(plan.turns) else None, workload.spec.tool_calls))
     return records
+
+
+def _assistant(answer: str, next_turn, tool_calls: bool) -> dict:
+    """The assistant message a client sends back: the answer's text, or (a `tool_calls`
+    workload, before a tool result) a call of that tool with the text as its argument."""
+    if not (tool_calls and next_turn is not None and next_turn.kind == "tool"):
+        return {"role": "assistant", "content": answer}
+    call_id = next_turn.messages[0]["tool_call_id"]
+    arguments = json.dumps({"request": answer})
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": next_turn.tool_name, "arguments": arguments}}],
+    }
 
 
 async def run_workload(

@@ -113,6 +113,10 @@ class WorkloadSpec:
     abandon_prob: float = 0.0
     """Chance that a session ends after each of its turns from the second on, without a
     word (its last turn stays pinned until the store lets it go)."""
+    tool_calls: bool = False
+    """The answer before a tool result goes back as the assistant's tool call (its text as
+    the call's argument), as agent frameworks send it: the chat template renders it, so the
+    history no longer repeats the generated text token for token."""
 
     def __post_init__(self):
         for name in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens"):
@@ -141,6 +145,8 @@ class TurnPlan:
     """Tokens of the added content (template tokens not included)."""
     pause_s: float = 0.0
     """Seconds the client waits after the previous answer before sending this turn."""
+    tool_name: str | None = None
+    """Tool turns: the tool whose result this is (`tool_calls` workloads call it)."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
                 if spec.tool_tokens_min is not None:
                     size = kinds.randint(spec.tool_tokens_min, spec.tool_tokens)
                 text = tool_output(rng, size, counter)
-                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text), pause))
+                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text), pause, name))
             else:
                 text = f"Task {s}.{t}: " + prose(rng, spec.user_tokens, counter)
                 turns.append(TurnPlan("user", ({"role": "user", "content": text},), counter.count(text), pause))
