@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -159,10 +160,15 @@ class StoreClient:
     """Ingress-side view of the sharded store. Every method raises `StoreUnavailable`
     when the store cannot answer within `timeout_s`."""
 
+    RECENT = 1024
+    """Conversations this client stored last (per session, LRU): a session's next turn
+    that lands here again is not sent back by the store."""
+
     def __init__(self, source: ShardSource, expected: StoreSettings | None = None, timeout_s: float = STORE_CALL_TIMEOUT_S):
         self._source = source
         self._expected = expected
         self._timeout = timeout_s
+        self._recent: OrderedDict[str, Conversation] = OrderedDict()
         self._actors: list | None = None
         self._queues: dict[int, _ShardQueue] = {}
         self._lock = asyncio.Lock()
@@ -226,10 +232,20 @@ class StoreClient:
         return max(results, key=lambda r: (r[0] is not None, r[1]))
 
     async def begin_turn(self, session_id: str) -> Claim:
-        return await self._batched(session_id, "begin_turn", session_id)
+        held = self._recent.get(session_id)
+        known = held.handle.request_id if held is not None and held.handle is not None else None
+        claim = await self._batched(session_id, "begin_turn", session_id, known)
+        if claim.conversation_known:
+            claim = dataclasses.replace(claim, conversation=held)
+        return claim
 
     async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+        self._recent.pop(claim.session_id, None)
         await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, conversation)
+        if conversation is not None and conversation.handle is not None:
+            self._recent[claim.session_id] = conversation
+            while len(self._recent) > self.RECENT:
+                self._recent.popitem(last=False)
 
     async def drop_engine(self, engine_id: str) -> int:
         actors = await self._shards()
@@ -248,6 +264,7 @@ class StoreClient:
         return [r for shard in shards for r in shard]
 
     async def end_session(self, session_id: str) -> bool:
+        self._recent.pop(session_id, None)
         return await self._batched(session_id, "end_session", session_id)
 
     async def stats(self) -> dict:

@@ -192,6 +192,9 @@ class Claim:
     handle: KVHandle | None
     miss_reason: str | None = None
     pin_remaining_s: float | None = None
+    conversation_known: bool = False
+    """The stored conversation is the one the caller said it holds (`begin_turn(known=)`):
+    `conversation` is left out, the caller fills in its own copy."""
 
 
 @dataclass(frozen=True)
@@ -442,8 +445,11 @@ class HandleStore:
                 best = by_text
         return (best[2], best[0]) if best is not None else (None, 0)
 
-    def begin_turn(self, session_id: str) -> Claim:
-        """Claim the session's handle for one turn. Always returns a lease to end."""
+    def begin_turn(self, session_id: str, known: str | None = None) -> Claim:
+        """Claim the session's handle for one turn. Always returns a lease to end.
+
+        `known`: the request id of the handle of the conversation the caller already holds
+        (the turn it stored last); if that is the stored one, it is not sent back."""
         self._sweep()
         now = self._clock()
         lease_id = next(self._lease_ids)
@@ -470,13 +476,15 @@ class HandleStore:
             session_id, handle, record.decode_replica if record else None, stored_at, now + self._lease_timeout
         )
         self._open.setdefault(session_id, set()).add(lease_id)
+        same = known is not None and record is not None and record.handle is not None and record.handle.request_id == known
         return Claim(
             lease_id=lease_id,
             session_id=session_id,
-            conversation=record.conversation() if record else None,
+            conversation=record.conversation() if record and not same else None,
             handle=handle,
             miss_reason=reason,
             pin_remaining_s=remaining,
+            conversation_known=same,
         )
 
     def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | None) -> None:

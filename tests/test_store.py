@@ -761,3 +761,17 @@ def test_bookkeeping_does_not_walk_every_session(clock, monkeypatch):
     store.end_turn(claim.lease_id, TurnOutcome.PULLED, conv("s5", range(12)))
     store.pinned_blocks("d-0")
     assert len(reads) <= 2  # at most a peek at the LRU head
+
+
+def test_a_conversation_the_caller_holds_is_not_sent_back(store):
+    c1 = conv("s", range(1, 100), (7, 8))
+    store.put(c1)
+    claim = store.begin_turn("s", known=c1.handle.request_id)
+    assert claim.conversation_known and claim.conversation is None
+    assert claim.handle == c1.handle  # the handle is claimed all the same
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, None)
+    # Another caller stored a newer turn: the id no longer matches, the turn comes back.
+    c2 = conv("s", range(1, 120), (9,))
+    store.put(c2)
+    claim = store.begin_turn("s", known=c1.handle.request_id)
+    assert not claim.conversation_known and claim.conversation.token_ids == c2.token_ids

@@ -161,3 +161,21 @@ async def test_a_batch_that_cannot_be_sent_fails_its_turns_instead_of_leaving_th
     client._queues[0]._actor = NoApply()
     results = await asyncio.wait_for(asyncio.gather(client.begin_turn("a"), client.begin_turn("b"), return_exceptions=True), 1)
     assert all(isinstance(r, StoreUnavailable) for r in results), results
+
+
+async def test_the_conversation_an_ingress_stored_is_not_shipped_back_to_it():
+    from connector.handle import KVHandle, Location
+    from connector.store import Conversation
+
+    source = Source()
+    client = StoreClient(source, SETTINGS)
+    handle = KVHandle(location=Location.DECODE, engine_id="d-0", request_id="req-1", block_ids=((1, 2),), host="h", port=1, num_tokens=7)
+    mine = Conversation("s1", tuple(range(1, 9)), 6, None, handle, "decode#0")
+    claim = await client.begin_turn("s1")
+    await client.end_turn(claim, TurnOutcome.UNUSED, mine)
+    claim = await client.begin_turn("s1")
+    # The shard said "the one you hold": the client's own copy, the shard's handle.
+    assert claim.conversation is mine and claim.handle == handle
+    # A client that does not hold it (another ingress replica) gets it from the shard.
+    other = await StoreClient(source, SETTINGS).begin_turn("s1")
+    assert other.conversation is not mine and other.conversation.token_ids == mine.token_ids
