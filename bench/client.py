@@ -73,6 +73,7 @@ async def chat_turn(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
     texts: list[str] = []
     stamps: list[float] = []
@@ -96,10 +97,11 @@ async def chat_turn(
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta") or {}
                 # The opening chunk only names the role; every later delta carries the
-                # output of a decode step (its text may be empty for a special token).
-                if "content" in delta and "role" not in delta:
+                # output of a decode step: its token ids (`return_token_ids`), and its
+                # text, which is empty for special tokens.
+                if choice.get("token_ids") or ("content" in delta and "role" not in delta):
                     stamps.append(now)
-                    texts.append(delta["content"] or "")
+                    texts.append(delta.get("content") or "")
                 if choice.get("finish_reason"):
                     record.finish_reason = choice["finish_reason"]
             if chunk.get("usage"):
