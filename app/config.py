@@ -204,7 +204,7 @@ class SessionConfig(_Strict):
         1,
         ge=1,
         description=(
-            "Ray actors holding handles, sharded by session. One shard served 300-1,000 turns/s "
+            "Ray actors holding handles, sharded by session. One shard served 500-1,400 turns/s "
             "on a 2-core machine (`python -m bench.store`); add shards for larger fleets."
         ),
     )
