@@ -280,6 +280,8 @@ def chat_message(parser, auto_tools: bool, body: ChatCompletionRequest, text: st
     if parser is None:
         return {"role": "assistant", "content": text}, False
     reasoning, content, calls = parser.parse(text, body, enable_auto_tools=auto_tools, model_output_token_ids=list(token_ids))
+    if calls and body.parallel_tool_calls is False:
+        calls = calls[:1]  # as vLLM's server: the first call only
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None and body.include_reasoning:
         message["reasoning_content"] = reasoning
@@ -317,13 +319,16 @@ class ChatStream:
             self.called_tools = True
             calls = []
             for tc in dm.tool_calls:
+                if self._body.parallel_tool_calls is False and tc.index > 0:
+                    continue  # the first call only
                 call = tc.model_dump(exclude_none=True)
                 if "id" in call:
                     call["id"] = call_id()
                 if "function" in call:
                     call["function"] = {k: v for k, v in call["function"].items() if v is not None}
                 calls.append(call)
-            out["tool_calls"] = calls
+            if calls:
+                out["tool_calls"] = calls
         return out or None
 
 

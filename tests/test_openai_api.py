@@ -193,6 +193,22 @@ def test_tool_calls_streamed(parsers, tok):
     assert stream.called_tools
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(parsers, tok, parallel):
+    two = CALL + "\n" + CALL.replace("Rome", "Paris")
+    body, parser = request(parsers, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    if not parallel:  # vLLM's parser also stops the grammar after one call
+        assert '"stop_after_first":true' in body.to_sampling_params(8, {}).structured_outputs.structural_tag.replace(" ", "")
+    message, called = openai_api.chat_message(parser, True, body, two, tok.encode(two))
+    assert called and len(message["tool_calls"]) == (2 if parallel else 1)
+    body, parser = request(parsers, tools=TOOLS, parallel_tool_calls=parallel)
+    stream = openai_api.ChatStream(parser, body, [1, 2])
+    deltas = [stream.delta(tok.decode([i]), [i]) for i in tok.encode(two)]
+    deltas.append(stream.delta("", [], finished=True))
+    indexes = {tc["index"] for d in deltas if d for tc in d.get("tool_calls", [])}
+    assert indexes == ({0, 1} if parallel else {0})
+
+
 def test_tool_choice_none_leaves_markup_as_content(parsers, tok):
     body, parser = request(parsers, tools=TOOLS, tool_choice="none")
     message, called = openai_api.chat_message(parser, True, body, CALL, tok.encode(CALL))

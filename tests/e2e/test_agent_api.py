@@ -61,12 +61,14 @@ def _create(client, stream: bool, **kwargs) -> dict:
             "token_ids": choice.model_extra["token_ids"],
             "prompt_token_ids": extras["prompt_token_ids"],
             "logprobs": choice.logprobs,
+            "kvturn": extras["kvturn"],
         }
     chunks = list(client.chat.completions.create(model=MODEL, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kwargs))
-    content, reasoning, calls, ids, finish, prompt_ids = [], [], {}, [], None, None
+    content, reasoning, calls, ids, finish, prompt_ids, kvturn = [], [], {}, [], None, None, None
     for c in chunks:
         extras = c.model_extra or {}
         prompt_ids = extras.get("prompt_token_ids", prompt_ids)
+        kvturn = extras.get("kvturn", kvturn)
         for choice in c.choices:
             d = choice.delta
             content.append(d.content or "")
@@ -88,25 +90,105 @@ def _create(client, stream: bool, **kwargs) -> dict:
         "token_ids": ids,
         "prompt_token_ids": prompt_ids,
         "logprobs": None,
+        "kvturn": kvturn,
     }
 
 
 def _assert_valid_calls(reply: dict, names: set[str]) -> None:
     assert reply["tool_calls"], reply
     for call in reply["tool_calls"]:
-        assert call["id"].startswith("call_") and call["type"] == "function"
-        assert call["function"]["name"] in names
-        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+        assert call["id"].startswith("call_") and call["type"] == "function", reply
+        assert call["function"]["name"] in names, reply
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"arguments are not JSON ({exc}): {reply}") from exc
+        jsonschema.validate(arguments, SCHEMAS[call["function"]["name"]])
     assert reply["finish_reason"] == "tool_calls"
 
 
-def _ref_tokens(apps, messages, **kwargs) -> list[int]:
-    """The single-engine `ref` app's greedy tokens for the same chat request (same
-    prompt, same guided decoding)."""
+def _ref_reply(apps, messages, **kwargs) -> tuple[list[int], list[int]]:
+    """Prompt and greedy answer ids of the single-engine `ref` app for the same chat
+    request (same rendering, same guided decoding)."""
     body = {"model": MODEL, "messages": messages, "temperature": 0, "return_token_ids": True, **kwargs}
     r = httpx.post(apps["url"] + "/ref/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return r.json()["prompt_token_ids"], r.json()["choices"][0]["token_ids"]
+
+
+def _whitespace_bias() -> dict[str, int]:
+    """`logit_bias` that keeps the random-weight model from padding guided JSON with
+    whitespace until `max_tokens` (the tool parsers' structural tags allow any amount;
+    tokens the grammar requires are still chosen, being the only ones allowed)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import MODEL as MODEL_DIR
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    blank = [i for i in range(len(tok)) if (text := tok.decode([i])) and not text.strip()]
+    assert blank, "the tokenizer has no whitespace tokens?"
+    return {str(i): -100 for i in blank}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "sse"])
+def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
+    client = _client(apps)
+    block = apps["pd"].block_size
+    question = f"Check the weather in Paris and read the syslog ({'stream' if stream else 'plain'})."
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    turns = [
+        dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=160),
+        dict(tool_choice="auto", max_tokens=24),
+        # One call: the random-weight model would otherwise go on calling until max_tokens.
+        dict(tool_choice="required", max_tokens=160, parallel_tool_calls=False),
+    ]
+    reuse, bias = [], _whitespace_bias()
+    for i, choice in enumerate(turns):
+        if choice["tool_choice"] != "auto":
+            choice = {**choice, "logit_bias": bias}
+        before = engine_stats("PrefillServer")
+        reply = _create(client, stream, messages=messages, tools=TOOLS, **choice)
+        after = engine_stats("PrefillServer")
+        assert reply["token_ids"] and reply["usage"]["completion_tokens"] == len(reply["token_ids"])
+        # The same request to one engine. A turn after a tool call has the same prompt (the
+        # template renders the calls, not the generated text) and the same greedy tokens. A
+        # turn after a plain answer is spliced (token-in/token-out): the previous answer's own
+        # tokens, where the engine re-tokenizes the text; equal up to that answer.
+        ref_prompt, ref_answer = _ref_reply(apps, messages, tools=TOOLS, **choice)
+        if reply["kvturn"]["spliced"]:
+            assert reply["prompt_token_ids"][:prev_prompt] == ref_prompt[:prev_prompt]
+        else:
+            assert reply["prompt_token_ids"] == ref_prompt
+            assert reply["token_ids"] == ref_answer, (i, reply)
+        if choice["tool_choice"] == "auto":
+            if reply["tool_calls"]:
+                _assert_valid_calls(reply, set(SCHEMAS))
+            else:
+                assert reply["finish_reason"] in ("length", "stop") and reply["content"]
+            # Unconstrained: greedy tokens equal one engine's on the same prompt ids.
+            assert reply["token_ids"] == reference_tokens(apps["url"], reply["prompt_token_ids"], len(reply["token_ids"])), (i, reply)
+        else:
+            # Guided by the grammar of the named tool or of any tool: schema-valid calls.
+            names = {"get_weather"} if isinstance(choice["tool_choice"], dict) else set(SCHEMAS)
+            _assert_valid_calls(reply, names)
+        if i > 0:
+            # The history (tool calls and results re-rendered by the template) came from decode.
+            pulled = delta(after, before)["prompt_tokens_external"]
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert pulled >= prev_prompt - 2 * block, (pulled, prev_prompt)
+            assert cached >= pulled
+            reuse.append(round(cached / reply["usage"]["prompt_tokens"], 3))
+        prev_prompt = reply["usage"]["prompt_tokens"]
+        assistant = {"role": "assistant", "content": reply["content"]}
+        if reply["tool_calls"]:
+            assistant["tool_calls"] = reply["tool_calls"]
+        messages = messages + [assistant]
+        for call in reply["tool_calls"]:
+            result = {"get_weather": '{"temp": 21, "sky": "clear"}', "read_logs": "error: file not found; info: retrying in 5 seconds"}
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result[call["function"]["name"]] * 8})
+        if not reply["tool_calls"]:
+            messages.append({"role": "user", "content": "Now read the logs, please."})
+    print(f"\ntool-call turns reuse (cached/prompt) {'sse' if stream else 'plain'}: {reuse}")
 
 
 def test_response_format_json_schema_validates(apps):
