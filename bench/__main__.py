@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="skip graph capture/compilation")
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
+    e.add_argument("--decode-kv-cache-mib", type=int, help="the decode (and single) engine's KV cache in MiB, when it differs")
     e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
     e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
     e.add_argument(
@@ -135,6 +136,7 @@ def _profile_from(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+        decode_kv_cache_bytes=args.decode_kv_cache_mib << 20 if args.decode_kv_cache_mib else None,
         prefill_prefix_caching=args.prefill_prefix_caching,
         pull_timeout_s=args.pull_timeout_s,
         cpu_threads=args.threads,
