@@ -15,11 +15,9 @@ the engine is dead, and Serve replaces the replica.
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import AsyncIterator
 
 import ray
@@ -129,7 +127,7 @@ class PrefillServer(EngineServer):
         async for chunk in self._run(request):
             last, timings = chunk, chunk.engine_timings or timings
         if last is not None and last.engine_timings is None and timings is not None:
-            last = dataclasses.replace(last, engine_timings=timings)
+            last = replace(last, engine_timings=timings)
         return last, self.replica_id
 
 

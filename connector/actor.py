@@ -213,15 +213,12 @@ class StoreClient:
             self._actors = None
             raise StoreUnavailable(f"store call failed: {exc!r}") from exc
 
-    async def _shard(self, session_id: str):
-        actors = await self._shards()
-        return actors[shard_of(session_id, len(actors))]
-
     async def _batched(self, session_id: str, op: str, *args) -> Any:
         actors = await self._shards()
         queued = self._queues[shard_of(session_id, len(actors))].submit(op, args)
         try:
-            # Queued behind at most one batch in flight, then sent: two deadlines at most.
+            # Queued behind the batches in flight (each bound by a call deadline, and sent
+            # in order), then sent itself: two deadlines at most.
             return await asyncio.wait_for(queued, 2 * self._timeout)
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable(f"store {op} got no answer in {2 * self._timeout:.0f} s") from exc
