@@ -264,13 +264,18 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
         async def run():
             await preload()
             pairs: list[float] = []
+            cpu0 = (await actor.stats.remote())["cpu_s"]
             t0 = time.perf_counter()
             await asyncio.gather(*(caller(i, t0 + args.actor_seconds, pairs) for i in range(args.callers)))
-            return pairs, time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            return pairs, elapsed, (await actor.stats.remote())["cpu_s"] - cpu0
 
         t0 = time.perf_counter()
-        pairs, elapsed = asyncio.run(run())
+        pairs, elapsed, cpu_s = asyncio.run(run())
         log(f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), preload {time.perf_counter() - t0 - elapsed:.0f} s")
+        # What a turn costs the shard's process (all its threads), whoever else shares the cores:
+        # the rate one shard would sustain on a core of its own with callers that keep up.
+        log(f"  shard CPU: {cpu_s:.1f} s, {1e6 * cpu_s / max(1, len(pairs)):.0f} us a turn ({len(pairs) / max(cpu_s, 1e-9):,.0f} turns per CPU-second)")
         stats = ray.get(actor.stats.remote())
         return {
             "sessions": n,
@@ -278,6 +283,9 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
             "seconds": elapsed,
             "turns": len(pairs),
             "turns_per_s": len(pairs) / elapsed,
+            "shard_cpu_s": cpu_s,
+            "shard_cpu_us_per_turn": 1e6 * cpu_s / max(1, len(pairs)),
+            "turns_per_shard_cpu_s": len(pairs) / max(cpu_s, 1e-9),
             "pair_latency": summary_ms(pairs),
             "bytes_per_session": stats["bytes_per_session"],
         }
@@ -308,9 +316,10 @@ def markdown(results: dict) -> str:
         p = actor["pair_latency"]
         lines += [
             "",
-            "| through the Ray actor (1 shard) | sessions | callers | turns/s | begin+end p50 / p99 |",
-            "|---|---:|---:|---:|---:|",
-            f"| `HandleStoreActor` | {actor['sessions']:,} | {actor['callers']} | {actor['turns_per_s']:,.0f} | {p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms |",
+            "| through the Ray actor (1 shard) | sessions | callers | turns/s | begin+end p50 / p99 | shard CPU a turn | turns per shard CPU-second |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| `HandleStoreActor` | {actor['sessions']:,} | {actor['callers']} | {actor['turns_per_s']:,.0f} | {p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms "
+            f"| {actor['shard_cpu_us_per_turn']:.0f} us | {actor['turns_per_shard_cpu_s']:,.0f} |",
         ]
     return "\n".join(lines)
 

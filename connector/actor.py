@@ -17,7 +17,11 @@ Per-turn operations (begin turn, end turn, end session) are batched per shard: w
 batches are in flight to a shard, the operations that arrive queue up and leave together
 in the next one (`HandleStoreActor.apply`), in arrival order. A shard with room gets an
 operation at once, so one turn costs one round trip; a busy one costs a round trip per
-batch, not per operation, which is what lets one shard keep up with a fleet.
+batch, not per operation, which is what lets one shard keep up with a fleet. A turn
+travels both ways without its history where the other side has it: `begin_turn` names
+the conversation this client stored last (not sent back if it is still the stored one),
+and `end_turn` sends only what the turn added to the conversation it claimed
+(`ConversationTail`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import pickle
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,7 +40,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from connector.store import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, HandleStore, TurnOutcome
+from connector.store import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, ConversationTail, HandleStore, TurnOutcome
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,9 +79,35 @@ BATCH_OPS = ("begin_turn", "end_turn", "end_session")
 MAX_BATCH = 256
 
 
-def apply_ops(store: HandleStore, ops: Sequence[tuple[str, tuple]]) -> list[tuple[bool, Any]]:
+def pack(value: Any) -> bytes:
+    """A batch or its results as one pickle (the C pickler: several times cheaper per
+    object than the general serializer Ray would otherwise run over every claim and
+    conversation; Ray then moves a single bytes object)."""
+    try:
+        return pickle.dumps(value, protocol=5)
+    except Exception:
+        # An error that does not pickle still reaches its caller, as its description.
+        if not isinstance(value, list):
+            raise
+        return pickle.dumps(
+            [(ok, v if ok or _pickles(v) else RuntimeError(repr(v))) for ok, v in value], protocol=5
+        )
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value, protocol=5)
+        return True
+    except Exception:
+        return False
+
+
+def apply_ops(store: HandleStore, ops: Sequence[tuple[str, tuple]] | bytes) -> list[tuple[bool, Any]] | bytes:
     """Run a batch of `(operation, args)` on `store` in order: one `(ok, result or
-    exception)` per operation. One operation's error does not stop the others."""
+    exception)` per operation. One operation's error does not stop the others. A packed
+    batch (`pack`) gets packed results."""
+    if isinstance(ops, bytes):
+        return pack(apply_ops(store, pickle.loads(ops)))
     results: list[tuple[bool, Any]] = []
     for name, args in ops:
         if name not in BATCH_OPS:
@@ -99,14 +131,14 @@ class HandleStoreActor:
     def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         return self._store.match(prompt_ids, prompt_text)
 
-    def apply(self, ops: list[tuple[str, tuple]]) -> list[tuple[bool, Any]]:
-        """A batch of per-turn operations from one ingress (`StoreClient`), in order."""
+    def apply(self, ops: list[tuple[str, tuple]] | bytes) -> list[tuple[bool, Any]] | bytes:
+        """A batch of per-turn operations from one ingress (`StoreClient`, packed), in order."""
         return apply_ops(self._store, ops)
 
     def begin_turn(self, session_id: str) -> Claim:
         return self._store.begin_turn(session_id)
 
-    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | ConversationTail | None) -> None:
         self._store.end_turn(lease_id, outcome, conversation)
 
     def drop_engine(self, engine_id: str) -> int:
@@ -122,8 +154,10 @@ class HandleStoreActor:
         return self._store.end_session(session_id)
 
     def stats(self) -> dict:
-        """The shard's state and counters, and the settings it was built with."""
-        return {**self._store.stats(), "settings": self._settings}
+        """The shard's state and counters, the settings it was built with, and the CPU
+        time its process has used (`cpu_s`, every thread: Ray's own work on its calls
+        included), from which a caller can tell what the shard costs per operation."""
+        return {**self._store.stats(), "settings": self._settings, "cpu_s": time.process_time()}
 
 
 @serve.deployment(name="SessionStore", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -238,7 +272,11 @@ class StoreClient:
 
     async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
         self._recent.pop(claim.session_id, None)
-        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, conversation)
+        # A turn that extends the conversation it claimed travels as its tail.
+        sent = conversation
+        if conversation is not None and claim.conversation is not None:
+            sent = ConversationTail.of(conversation, claim.conversation) or conversation
+        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, sent)
         if conversation is not None and conversation.handle is not None:
             self._recent[claim.session_id] = conversation
             while len(self._recent) > self.RECENT:
@@ -273,8 +311,11 @@ class StoreClient:
 class _ShardQueue:
     """The per-turn operations bound for one shard. Up to `MAX_IN_FLIGHT` batches are in
     flight at once (Ray runs one caller's calls to an actor in the order they were sent);
-    what arrives while all are out leaves together in the next batch. A failed batch fails
-    each of its operations with `StoreUnavailable`."""
+    what arrives while all are out leaves together in the next batch. A burst is split
+    among the senders free to take it, so the shard works on one part while the answers
+    to another are on their way back (one large batch would leave the shard idle while
+    its callers prepare their next operations, then the callers idle while it works).
+    A failed batch fails each of its operations with `StoreUnavailable`."""
 
     MAX_IN_FLIGHT = 4
 
@@ -283,31 +324,47 @@ class _ShardQueue:
         self._call = call
         self._pending: list[tuple[str, tuple, asyncio.Future]] = []
         self._senders: set[asyncio.Task] = set()
+        self._free = 0
+        """Senders started and not waiting for an answer: the ways a burst is split."""
 
     def submit(self, op: str, args: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._pending.append((op, args, future))
         if len(self._senders) < self.MAX_IN_FLIGHT:
+            self._free += 1
             task = loop.create_task(self._send())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         return future
 
     async def _send(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            try:
-                results = await self._call(self._actor.apply.remote([(op, args) for op, args, _ in batch]))
-            except StoreUnavailable as exc:
-                results = [(False, exc)] * len(batch)
-            except Exception as exc:  # never leave a caller waiting
-                unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
-                results = [(False, unavailable)] * len(batch)
-            for (_, _, future), (ok, value) in zip(batch, results):
-                if future.done():  # its caller went away
-                    continue
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
+        try:
+            while self._pending:
+                take = min(MAX_BATCH, -(-len(self._pending) // max(1, self._free)))
+                batch, self._pending = self._pending[:take], self._pending[take:]
+                self._free -= 1
+                try:
+                    await self._send_batch(batch)
+                finally:
+                    self._free += 1
+        finally:
+            self._free -= 1
+
+    async def _send_batch(self, batch: list[tuple[str, tuple, asyncio.Future]]) -> None:
+        try:
+            results = await self._call(self._actor.apply.remote(pack([(op, args) for op, args, _ in batch])))
+            if isinstance(results, bytes):
+                results = pickle.loads(results)
+        except StoreUnavailable as exc:
+            results = [(False, exc)] * len(batch)
+        except Exception as exc:  # never leave a caller waiting
+            unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
+            results = [(False, unavailable)] * len(batch)
+        for (_, _, future), (ok, value) in zip(batch, results):
+            if future.done():  # its caller went away
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)

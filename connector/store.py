@@ -177,6 +177,58 @@ class Conversation:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ConversationTail:
+    """A new turn sent to the store as what it adds to the conversation its lease claimed.
+
+    Agents' conversations grow by appending: a turn's tokens are the previous turn's plus
+    the new message and the answer. Sending only that tail keeps a turn's store traffic
+    to a few KiB however long the conversation is (a full 32k-token conversation is
+    ~256 KiB of ids and text). The store rebuilds the conversation from the one it handed
+    out with the lease, which both sides hold unchanged.
+    """
+
+    session_id: str
+    base_tokens: int
+    """Tokens of the claimed conversation this extends (checked by the store)."""
+    ids: array
+    text: str | None
+    prompt_len: int
+    handle: KVHandle | None
+    decode_replica: str | None
+
+    @classmethod
+    def of(cls, conversation: Conversation, base: Conversation) -> "ConversationTail | None":
+        """`conversation` as a tail over `base`; None when it does not extend it (ids and
+        rendered text both start with `base`'s, or neither has text)."""
+        if conversation.session_id != base.session_id or (conversation.text is None) != (base.text is None):
+            return None
+        n = base.num_tokens
+        ids = conversation.compact_ids
+        if len(ids) < n or ids[:n] != base.compact_ids:
+            return None
+        text = None
+        if conversation.text is not None:
+            if not conversation.text.startswith(base.text):
+                return None
+            text = conversation.text[len(base.text) :]
+        return cls(conversation.session_id, n, ids[n:], text, conversation.prompt_len, conversation.handle, conversation.decode_replica)
+
+    def __reduce__(self):  # positional: cheaper than the dataclass's own field-by-field state
+        return (
+            ConversationTail,
+            (self.session_id, self.base_tokens, self.ids, self.text, self.prompt_len, self.handle, self.decode_replica),
+        )
+
+    def over(self, base_ids: array, base_text: str | None) -> Conversation | None:
+        """The whole conversation, given the claimed one's ids and text; None if they are
+        not what this tail was cut from."""
+        if len(base_ids) != self.base_tokens or (base_text is None) != (self.text is None):
+            return None
+        text = base_text + self.text if base_text is not None else None
+        return Conversation(self.session_id, base_ids + self.ids, self.prompt_len, text, self.handle, self.decode_replica)
+
+
 @dataclass(frozen=True)
 class Claim:
     """Answer to `begin_turn`. `handle` is single-use: it is now CLAIMED for this lease.
@@ -281,15 +333,18 @@ class _Record:
 
 
 class _Lease:
-    __slots__ = ("session_id", "handle", "decode_replica", "stored_at", "deadline", "ended")
+    __slots__ = ("session_id", "handle", "decode_replica", "stored_at", "deadline", "ended", "base")
 
-    def __init__(self, session_id, handle, decode_replica, stored_at, deadline):
+    def __init__(self, session_id, handle, decode_replica, stored_at, deadline, base=None):
         self.session_id = session_id
         self.handle = handle
         self.decode_replica = decode_replica
         self.stored_at = stored_at
         self.deadline = deadline
         self.ended = False
+        self.base = base
+        """(ids, text) of the conversation handed out with the claim: what a
+        `ConversationTail` ending this lease extends."""
 
 
 class _PinLedger:
@@ -473,7 +528,12 @@ class HandleStore:
             self.counts[f"miss_{reason}"] += 1
         stored_at = record.stored_at if record is not None else now
         self._leases[lease_id] = _Lease(
-            session_id, handle, record.decode_replica if record else None, stored_at, now + self._lease_timeout
+            session_id,
+            handle,
+            record.decode_replica if record else None,
+            stored_at,
+            now + self._lease_timeout,
+            (record.tokens, record.text) if record is not None else None,
         )
         self._open.setdefault(session_id, set()).add(lease_id)
         same = known is not None and record is not None and record.handle is not None and record.handle.request_id == known
@@ -487,12 +547,14 @@ class HandleStore:
             conversation_known=same,
         )
 
-    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | ConversationTail | None) -> None:
         """Settle a lease: record what became of the claimed handle, store the new turn.
 
         Called exactly once per `begin_turn`, on every path (the ingress uses `finally`).
         A late call (lease expired) or one for a session ended meanwhile stores nothing;
-        the new turn's handle is then released.
+        the new turn's handle is then released. The new turn may come as a
+        `ConversationTail` over the conversation the claim handed out; one that does not
+        fit it is not stored (`tail_mismatch`) and its handle is released.
         """
         now = self._clock()
         lease = self._pop_lease(lease_id)
@@ -505,11 +567,22 @@ class HandleStore:
             self._settle(lease, state, now)
         if lease.ended:
             self._release_new(conversation, HandleState.ENDED, now)
-        elif conversation is not None:
-            self.put(conversation)
+            return
+        base = None
+        if isinstance(conversation, ConversationTail):
+            tail = conversation
+            conversation = tail.over(*lease.base) if lease.base is not None else None
+            if conversation is None:
+                self.counts["tail_mismatch"] += 1
+                self._release_new(tail, HandleState.DROPPED, now)
+                return
+            base = lease.base
+        if conversation is not None:
+            self.put(conversation, base)
 
-    def put(self, conversation: Conversation) -> None:
-        """Store a session's latest turn, superseding the previous one."""
+    def put(self, conversation: Conversation, base: tuple[array, str | None] | None = None) -> None:
+        """Store a session's latest turn, superseding the previous one. `base`: ids and
+        text the turn is known to start with (a resolved `ConversationTail`)."""
         self._sweep()
         now = self._clock()
         session_id = conversation.session_id
@@ -518,7 +591,7 @@ class HandleStore:
             if old.state is HandleState.STORED and old.handle is not None:
                 self._leave(old, HandleState.SUPERSEDED)
             self._remove(old)
-        record = self._record(conversation, old, now)
+        record = self._record(conversation, old, now, base)
         self._records[session_id] = record
         self._bytes += record.nbytes
         for key in record.token_keys:
@@ -616,7 +689,7 @@ class HandleStore:
 
     # -- internals -----------------------------------------------------------------
 
-    def _record(self, conversation: Conversation, old: _Record | None, now: float) -> _Record:
+    def _record(self, conversation: Conversation, old: _Record | None, now: float, base=None) -> _Record:
         record = _Record()
         tokens = conversation.compact_ids
         text = conversation.text
@@ -636,9 +709,10 @@ class HandleStore:
         start, prev = 0, 0
         if old is not None and old.chain[0] <= prompt_blocks:
             n = old.chain[0] * block
-            if tokens[:n] == old.tokens[:n]:
+            if (base is not None and base[0] is old.tokens) or tokens[:n] == old.tokens[:n]:
                 start, prev = old.chain
-        hashes = _token_chain(tokens.tobytes(), block * tokens.itemsize, all_blocks, start, prev)
+        # Only the blocks past the previous chain are read (a turn adds a few to thousands).
+        hashes = _token_chain(tokens[start * block : all_blocks * block].tobytes(), block * tokens.itemsize, all_blocks - start, 0, prev)
 
         def at(blocks: int) -> int | None:
             return None if blocks == 0 else prev if blocks == start else hashes[blocks - start - 1]
@@ -653,7 +727,7 @@ class HandleStore:
             blocks, start, prev = len(text) // width, 0, 0
             if old is not None and old.text is not None:
                 n = old.text_chain[0] * width
-                if n <= len(text) and text[:n] == old.text[:n]:
+                if (base is not None and base[1] is old.text) or (n <= len(text) and text[:n] == old.text[:n]):
                     start, prev = old.text_chain
             text_hashes = _text_chain(text, width, blocks, start, prev)
             last = text_hashes[-1] if text_hashes else prev

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from connector.handle import KVHandle, Location
 from connector.store import (
     Conversation,
+    ConversationTail,
     HandleState,
     HandleStore,
     TurnOutcome,
@@ -775,3 +777,45 @@ def test_a_conversation_the_caller_holds_is_not_sent_back(store):
     store.put(c2)
     claim = store.begin_turn("s", known=c1.handle.request_id)
     assert not claim.conversation_known and claim.conversation.token_ids == c2.token_ids
+
+
+def test_a_turn_sent_as_its_tail_is_stored_whole_and_indexed(store):
+    c1 = Conversation("s", tuple(range(1, 40)), 30, "t" * 39, handle(num_tokens=38), "decode#0")
+    store.put(c1)
+    claim = store.begin_turn("s")
+    nxt = Conversation("s", c1.token_ids + (50, 51, 52, 60, 61), 42, c1.text + "uvwxy", handle(num_tokens=43), "decode#1")
+    tail = ConversationTail.of(nxt, claim.conversation)
+    assert tail is not None and tuple(tail.ids) == (50, 51, 52, 60, 61) and tail.text == "uvwxy" and tail.base_tokens == 39
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, tail)
+    claim = store.begin_turn("s")
+    assert claim.conversation == nxt  # ids, text, prompt length, handle, replica
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, None)
+    # Indexed like a whole conversation: the next prompt matches it, by ids and by text.
+    assert store.match(nxt.token_ids + (70,)) == ("s", 44)
+    assert store.match([9] * 50, nxt.text + "z")[0] == "s"
+    assert store.counts["tail_mismatch"] == 0
+
+
+def test_a_turn_that_does_not_extend_its_claim_has_no_tail():
+    base = Conversation("s", (1, 2, 3, 4), 3, "abcd")
+    assert ConversationTail.of(Conversation("s", (1, 2, 9, 4, 5), 4, "abcde"), base) is None  # ids differ
+    assert ConversationTail.of(Conversation("s", (1, 2, 3, 4, 5), 4, "abXde"), base) is None  # text differs
+    assert ConversationTail.of(Conversation("s", (1, 2, 3, 4, 5), 4, None), base) is None  # text lost
+    assert ConversationTail.of(Conversation("s", (1, 2, 3), 2, "abc"), base) is None  # shorter
+    assert ConversationTail.of(Conversation("t", (1, 2, 3, 4, 5), 4, "abcde"), base) is None  # other session
+    same = ConversationTail.of(Conversation("s", (1, 2, 3, 4), 3, "abcd"), base)
+    assert same is not None and len(same.ids) == 0 and same.text == ""
+
+
+def test_a_tail_that_does_not_fit_the_claim_is_dropped_and_its_handle_released(store):
+    c1 = conv("s", range(1, 20), (7, 8))
+    store.put(c1)
+    claim = store.begin_turn("s")
+    stray = ConversationTail("s", 5, array("i", [1, 2]), None, 6, handle(engine="d-1"), "decode#1")
+    store.end_turn(claim.lease_id, TurnOutcome.PULLED, stray)
+    assert store.counts["tail_mismatch"] == 1
+    released = store.take_releases()
+    assert [r.request_id for r in released] == [stray.handle.request_id]
+    assert released[0].reason is HandleState.DROPPED
+    # Nothing of it was stored: the session still holds its previous conversation.
+    assert store.begin_turn("s").conversation.token_ids == c1.token_ids

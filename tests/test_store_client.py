@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import ray
 
-from connector.actor import StoreClient, StoreSettings, StoreUnavailable, apply_ops
+from connector.actor import StoreClient, StoreSettings, StoreUnavailable, _ShardQueue, apply_ops
 from connector.store import HandleStore, TurnOutcome
 
 SETTINGS = StoreSettings(handle_ttl_s=10, decoder_ttl_s=20, max_sessions=10, max_blocks_per_engine=100, index_block_size=4)
@@ -110,10 +110,14 @@ async def test_concurrent_turns_share_round_trips_and_keep_their_order():
     await client.stats()
     shard = source.shards[0]
     calls = shard.calls
-    claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(8)))
-    # Issued in one tick of the event loop: one batch, one round trip for eight turns.
-    assert shard.calls - calls == 1
-    assert [c.session_id for c in claims] == [f"s{i}" for i in range(8)]
+    claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(64)))
+    # Issued in one tick of the event loop: split among the senders, a round trip each
+    # for 16 turns, and run by the shard in the order they were issued.
+    assert shard.calls - calls == _ShardQueue.MAX_IN_FLIGHT == 4
+    assert [c.session_id for c in claims] == [f"s{i}" for i in range(64)]
+    assert [c.lease_id for c in claims] == sorted(c.lease_id for c in claims)
+    await asyncio.gather(*(client.end_turn(claim, TurnOutcome.UNUSED, None) for claim in claims[8:]))
+    claims = claims[:8]
     assert (await client.stats())["shards"][0]["open_leases"] == 8
     # An end and the next begin of one session, issued together, run in that order.
     calls = shard.calls
@@ -179,3 +183,32 @@ async def test_the_conversation_an_ingress_stored_is_not_shipped_back_to_it():
     # A client that does not hold it (another ingress replica) gets it from the shard.
     other = await StoreClient(source, SETTINGS).begin_turn("s1")
     assert other.conversation is not mine and other.conversation.token_ids == mine.token_ids
+
+
+async def test_a_turn_that_extends_its_claim_travels_as_its_tail():
+    from connector.handle import KVHandle, Location
+    from connector.store import Conversation, ConversationTail
+
+    source = Source()
+    sent = []
+    store = source.shards[0].store
+    end_turn = store.end_turn
+    store.end_turn = lambda lease, outcome, c: (sent.append(c), end_turn(lease, outcome, c))[1]
+    client = StoreClient(source, SETTINGS)
+
+    def handle(n):
+        return KVHandle(location=Location.DECODE, engine_id="d-0", request_id=f"req-{n}", block_ids=((1, 2),), host="h", port=1, num_tokens=7)
+
+    first = Conversation("s1", tuple(range(1, 9)), 6, "abcdefgh", handle(1), "decode#0")
+    await client.end_turn(await client.begin_turn("s1"), TurnOutcome.UNUSED, first)
+    second = Conversation("s1", first.token_ids + (20, 21, 22), 10, first.text + "xyz", handle(2), "decode#0")
+    await client.end_turn(await client.begin_turn("s1"), TurnOutcome.PULLED, second)
+    # A turn that rewrote its history goes whole.
+    edited = Conversation("s1", (5,) + second.token_ids[1:] + (30,), 11, "Z" + second.text[1:] + "w", handle(3), "decode#0")
+    await client.end_turn(await client.begin_turn("s1"), TurnOutcome.PULLED, edited)
+    assert isinstance(sent[0], Conversation)  # nothing claimed before: whole
+    assert isinstance(sent[1], ConversationTail) and tuple(sent[1].ids) == (20, 21, 22) and sent[1].text == "xyz"
+    assert isinstance(sent[2], Conversation)
+    # What another ingress replica reads back is each turn whole.
+    claim = await StoreClient(source, SETTINGS).begin_turn("s1")
+    assert claim.conversation == edited and store.counts.get("tail_mismatch", 0) == 0
