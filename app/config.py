@@ -86,6 +86,17 @@ class TransferConfig(_Strict):
     decoder_kv_blocks_ttl_s: float = Field(
         480.0, gt=0, description="How long a decode engine pins a finished turn's blocks for the next pull."
     )
+    decode_local_tokens: int = Field(
+        512,
+        ge=0,
+        description=(
+            "bidir: a turn with at most this many tokens to compute (the prompt past the history its "
+            "decode replica holds; a whole first prompt) skips the prefill leg: the session's decode "
+            "replica computes them over its own prefix cache, as one engine would, and keeps the "
+            "turn's blocks for the next pull. Longer turns go through prefill, which pulls the "
+            "history. 0: every turn goes through prefill."
+        ),
+    )
     idle_poll_ms: float = Field(
         20.0,
         ge=0,

@@ -29,7 +29,7 @@ from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.memory import DecodeMemory
 from app.protocol import APIError
-from connector.handle import KVHandle, WireError, prefill_params
+from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
 
 
@@ -177,7 +177,13 @@ class Turns:
             history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
             decode_params, cached, pulled = None, 0, 0
-            if self._cfg.disaggregated:
+            local = self._decode_local(prompt_ids, history, conv)
+            if local:
+                # Decode computes the few new tokens over the history it holds: no prefill
+                # leg, no transfer. The claimed handle is left unread (released early).
+                decode_params = local_decode_params()
+                self.counts["decode_local"] += 1
+            elif self._cfg.disaggregated:
                 decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline, timings)
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
@@ -185,6 +191,10 @@ class Turns:
                     # pinned until their TTL: settle it as failed, not pulled.
                     outcome = TurnOutcome.PULLED if pull_ok else TurnOutcome.FAILED
                     pulled = history.num_tokens if pull_ok else 0
+                if decode_params is None and self._cfg.reuses_kv:
+                    # Prefill was skipped: decode computes the prompt and still keeps the
+                    # turn's blocks for the next pull.
+                    decode_params = local_decode_params()
             request = EngineRequest(
                 request_id=turn.request_id,
                 prompt_token_ids=prompt_ids,
@@ -209,8 +219,10 @@ class Turns:
                     final = chunk
             if final is None:
                 raise RuntimeError("decode engine ended the stream without a final output")
-            if not self._cfg.disaggregated:
+            if local or not self._cfg.disaggregated:
                 cached = final.num_cached_tokens
+                if local:
+                    self.counts["decode_local_cached_tokens"] += cached
             new_conv = self._conversation(session_id, turn, prompt_ids, generated, "".join(texts), final, replica)
             await self.memory.learn_capacity(new_conv)
             self.counts["turns"] += 1
@@ -337,6 +349,19 @@ class Turns:
             return None, "prefix_mismatch" if handle.num_tokens < conv.prompt_len else "too_short"
         self.counts["handle_used"] += 1
         return handle, None
+
+    def _decode_local(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> bool:
+        """Whether the session's decode replica computes this turn alone
+        (`transfer.decode_local_tokens`): bidir only, few tokens to compute past the
+        history it holds, and that history in its prefix cache."""
+        limit = self._cfg.transfer.decode_local_tokens
+        if not self._cfg.reuses_kv or limit <= 0:
+            return False
+        if history is None:
+            return len(prompt_ids) <= limit
+        if not self._cfg.decode.enable_prefix_caching or conv is None or not conv.decode_replica:
+            return False
+        return len(prompt_ids) - history.num_tokens <= limit
 
     async def _prefill(
         self,

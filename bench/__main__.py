@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
     e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
     e.add_argument(
+        "--decode-local-tokens", type=int,
+        help="the app's transfer.decode_local_tokens: bidir turns computing at most this many tokens skip prefill (0: none do)",
+    )
+    e.add_argument(
         "--host-offload-gib", type=float,
         help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
     )
@@ -139,6 +143,7 @@ def _profile_from(args: argparse.Namespace):
         decode_kv_cache_bytes=args.decode_kv_cache_mib << 20 if args.decode_kv_cache_mib else None,
         prefill_prefix_caching=args.prefill_prefix_caching,
         pull_timeout_s=args.pull_timeout_s,
+        decode_local_tokens=args.decode_local_tokens,
         cpu_threads=args.threads,
         host_offload_bytes=int(args.host_offload_gib * (1 << 30)) if args.host_offload_gib else None,
         env=env,

@@ -62,6 +62,9 @@ class Profile:
     pull_timeout_s: float | None = None
     """The app's `transfer.pull_timeout_s` (None: the app's default). The app adds the
     compute it expects for the leg's new tokens, so the default suits CPU runs too."""
+    decode_local_tokens: int | None = None
+    """The app's `transfer.decode_local_tokens` (None: the app's default): bidir turns that
+    compute at most this many tokens skip the prefill leg."""
     kv_buffer_device: str | None = "cpu"
     host_offload_bytes: int | None = None
     """The app's `transfer.host_offload_bytes` (accelerator engines: a host-memory KV tier)."""
@@ -107,6 +110,7 @@ class Profile:
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
                 **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
+                **({"decode_local_tokens": self.decode_local_tokens} if self.decode_local_tokens is not None else {}),
                 **({"host_offload_bytes": self.host_offload_bytes} if self.host_offload_bytes else {}),
             },
             "app_name": app_name,
@@ -207,6 +211,8 @@ def profile(name: str) -> Profile:
             max_model_len=2048,
             kv_cache_bytes=128 * MiB,
             recompute_threshold_tokens=32,
+            # Short turns would stay on decode (decode_local_tokens): prove the pulls instead.
+            decode_local_tokens=0,
             env=cpu_env(),
         )
     if name == "pressure":
@@ -230,6 +236,8 @@ def profile(name: str) -> Profile:
             decode_kv_cache_bytes=48 * MiB,
             recompute_threshold_tokens=32,
             sessions={"pinned_fraction": 0.5, "release_interval_s": 0.5},
+            # Every turn pins and pulls through prefill: the path under pressure here.
+            decode_local_tokens=0,
             env=cpu_env(),
         )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")

@@ -158,6 +158,13 @@ def first_leg_params() -> dict[str, Any]:
     }
 
 
+def local_decode_params() -> dict[str, Any]:
+    """Params for a decode request that computes its prompt itself (over its own prefix
+    cache, nothing to read) and, like every decode request, keeps its blocks for the next
+    turn's pull: its final output carries the handle."""
+    return {"do_remote_prefill": False, "do_remote_decode": False}
+
+
 def prefill_params(history: KVHandle | None) -> dict[str, Any]:
     """Params for the prefill leg of a turn: read `history` from its decode engine if
     given, otherwise compute everything."""

@@ -70,7 +70,16 @@ def pd_config(**overrides):
             "kv_cache_memory_bytes": 128 << 20,
             "engine_kwargs": {"structured_outputs_config": StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)},
         },
-        "transfer": {"recompute_threshold_tokens": 32, "kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": 40, "pull_timeout_s": 15, "prefill_timeout_s": 30},
+        # Every turn through prefill (it pulls the history): the path these tests prove.
+        # tests/e2e/test_decode_local.py turns decode-local turns on in an app of its own.
+        "transfer": {
+            "recompute_threshold_tokens": 32,
+            "decode_local_tokens": 0,
+            "kv_buffer_device": "cpu",
+            "decoder_kv_blocks_ttl_s": 40,
+            "pull_timeout_s": 15,
+            "prefill_timeout_s": 30,
+        },
         # Short lifetimes so the expiry and clean-up tests need not wait long.
         "sessions": {"handle_ttl_s": 25},
         # vLLM's Qwen3 reasoning parser; thinking off unless a request turns it on.

@@ -26,7 +26,7 @@ from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
 from app.turns import Delta, PrefillPace, TurnInput, TurnResult, Turns
 from tests.conftest import config_with
-from connector.handle import first_leg_params
+from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 
 BLOCK = 4
@@ -149,10 +149,11 @@ class FakeEngines:
             raise RuntimeError(f"{replica} is gone")
         prompt = request.prompt_token_ids
         kv = request.kv_params
-        if kv is not None:
-            assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+        if kv is not None and kv["do_remote_prefill"]:
+            assert kv["do_remote_decode"] is False
             cached = len(prompt)  # read from prefill
-        else:
+        else:  # no params, or computing locally (`local_decode_params`)
+            assert kv is None or kv == {"do_remote_prefill": False, "do_remote_decode": False}
             cached = self._local_cache_hit(replica, prompt)
         tokens = self.answer(len(prompt), request.sampling.max_tokens)
         chunks = [tokens[i : i + 2] for i in range(0, len(tokens), 2)]
@@ -165,7 +166,8 @@ class FakeEngines:
             if self.fail_mid_stream and i == 1:
                 raise RuntimeError("decode engine died mid-stream")
             final_params = None
-            if last and self.keeps_kv:
+            # Only a request with transfer params keeps its blocks (the NixlConnector).
+            if last and self.keeps_kv and kv is not None:
                 final_params = {
                     "do_remote_prefill": False,
                     "do_remote_decode": True,
@@ -257,7 +259,8 @@ def make_cfg(model_dir, **overrides) -> AppConfig:
         "max_model_len": 256,
         "default_max_tokens": 16,
         "block_size": BLOCK,
-        "transfer": {"recompute_threshold_tokens": THRESHOLD},
+        # Every turn through prefill unless a test turns decode-local turns on.
+        "transfer": {"recompute_threshold_tokens": THRESHOLD, "decode_local_tokens": 0},
         "sessions": {"handle_ttl_s": 60},
     }
     return config_with(tree, overrides)
@@ -977,7 +980,8 @@ async def test_prefill_failing_twice_leaves_decode_to_compute(model_dir):
     assert len(rig.engines.prefill_requests) == 3
     assert rig.turns.counts["prefill_failed"] == 1 and rig.turns.counts["prefill_skipped"] == 1
     last_decode = rig.engines.decode_requests[-1][0]
-    assert last_decode.kv_params is None  # no transfer: decode computes the whole prompt
+    # Nothing to read: decode computes the whole prompt, and keeps its blocks for the next pull.
+    assert last_decode.kv_params == local_decode_params()
     assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
     assert r2.cached_tokens == 0
     # The turn's own KV is stored: the next turn reuses again.
@@ -993,7 +997,7 @@ async def test_unreachable_prefill_pool_leaves_decode_to_compute_within_the_dead
     _, ids2, r2 = await asyncio.wait_for(rig.turn(text=P1 + text1 + USER2), 5)
     assert rig.turns.counts["pull_timeout"] == 1 and rig.turns.counts["prefill_skipped"] == 1
     assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
-    assert rig.engines.decode_requests[-1][0].kv_params is None
+    assert rig.engines.decode_requests[-1][0].kv_params == local_decode_params()
     # A new conversation (no history): cut at the prefill deadline, decode computes it.
     _, ids3, r3 = await asyncio.wait_for(rig.turn(text=P1 + "a new conversation", session="s2"), 5)
     assert rig.turns.counts["prefill_timeout"] == 1 and rig.turns.counts["prefill_skipped"] == 2
@@ -1027,3 +1031,54 @@ async def test_failed_closing_store_update_never_fails_a_finished_answer(model_d
     rig.store.inner.end_turn(1, TurnOutcome.UNUSED, None)  # the lease a real store would time out
     _, _, r2 = await rig.turn(text=P1 + text + USER2)
     assert r2.cached_tokens == 0 and rig.store.ended[-1][2] is not None
+
+
+# -- decode-local turns (transfer.decode_local_tokens) ------------------------------------------
+
+
+async def test_a_short_turn_is_computed_by_its_decode_replica_alone(model_dir):
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 40})
+    long_first = P1 + " and a first message long enough to need prefill"
+    assert len(enc(long_first)) > 40
+    text1, ids1, r1 = await rig.turn(text=long_first)
+    assert len(rig.engines.prefill_requests) == 1 and rig.turns.counts["decode_local"] == 0
+    # Turn 2 adds fewer than 40 tokens: no prefill leg, decode computes them over its cache.
+    _, ids2, r2 = await rig.turn(text=long_first + text1 + USER2)
+    assert len(enc(USER2)) <= 40
+    assert len(rig.engines.prefill_requests) == 1 and rig.engines.pulls == []
+    decode_req, replica = rig.engines.decode_requests[-1]
+    assert decode_req.kv_params == local_decode_params() and replica == r1.decode_replica == "decode-0"
+    assert decode_req.preferred_replica == "decode-0"
+    assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
+    # What decode's prefix cache held (whole blocks of turn 1) was not computed again.
+    history = len(enc(long_first)) + MAX_TOKENS
+    assert r2.cached_tokens == history // BLOCK * BLOCK and r2.reused_from_decode == 0
+    assert rig.turns.counts["decode_local"] == 1 and rig.turns.counts["decode_local_cached_tokens"] == r2.cached_tokens
+    # The claimed handle was left unread (released early); the new turn's handle is stored.
+    assert [o for _, o, _ in rig.store.ended] == [TurnOutcome.UNUSED, TurnOutcome.UNUSED]
+    assert rig.store.stats()["handles"] == {"stored": 1}
+    assert rig.store.ended[-1][2].handle.request_id == "req-2"
+    # A turn adding more than 40 tokens goes through prefill, which pulls turn 2's blocks.
+    big = "\nTOOL: " + "x" * 60 + "\nASSISTANT:"
+    _, _, r3 = await rig.turn(text=long_first + text1 + USER2 + "".join(chr(i - 1000) for i in ids2) + big)
+    assert len(rig.engines.prefill_requests) == 2 and rig.engines.pulls == [("d-decode-0", len(r2.prompt_token_ids) + MAX_TOKENS - 1)]
+    assert r3.reused_from_decode > 0 and rig.turns.counts["decode_local"] == 1
+
+
+async def test_a_short_first_turn_skips_prefill_and_its_blocks_are_kept(model_dir):
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64})
+    text1, _, r1 = await rig.turn(text=P1)
+    assert len(enc(P1)) <= 64
+    assert rig.engines.prefill_requests == [] and rig.turns.counts["decode_local"] == 1
+    assert rig.engines.decode_requests[0][0].kv_params == local_decode_params()
+    assert rig.store.ended[0][2].handle is not None  # the next turn can pull it
+
+
+async def test_decode_local_turns_need_the_decode_prefix_cache_and_bidir(model_dir):
+    no_cache = Rig(model_dir, **{"transfer.decode_local_tokens": 64, "decode.enable_prefix_caching": False})
+    text1, _, _ = await no_cache.turn(text=P1)  # a first turn has nothing cached anyway: local
+    await no_cache.turn(text=P1 + text1 + USER2)  # history without a cache to hit: prefill pulls it
+    assert len(no_cache.engines.prefill_requests) == 1 and len(no_cache.engines.pulls) == 1
+    oneway = Rig(model_dir, mode="oneway", **{"transfer.decode_local_tokens": 64})
+    await oneway.turn(text=P1)
+    assert len(oneway.engines.prefill_requests) == 1 and oneway.turns.counts["decode_local"] == 0
