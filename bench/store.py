@@ -242,10 +242,11 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
         client = StoreClient.of_actors([actor], timeout_s=60.0)
 
         async def preload():
+            # Each session's earlier turns, through this client as through an ingress.
             for start in range(0, n, 64):
-                claims = await asyncio.gather(*(actor.begin_turn.remote(f"s{i}") for i in range(start, min(n, start + 64))))
+                claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(start, min(n, start + 64))))
                 await asyncio.gather(
-                    *(actor.end_turn.remote(c.lease_id, TurnOutcome.UNUSED, fleet.conversation(int(c.session_id[1:]))) for c in claims)
+                    *(client.end_turn(c, TurnOutcome.UNUSED, fleet.conversation(int(c.session_id[1:]))) for c in claims)
                 )
 
         async def caller(idx: int, stop_at: float, pairs: list[float]):

@@ -135,12 +135,6 @@ class HandleStoreActor:
         """A batch of per-turn operations from one ingress (`StoreClient`, packed), in order."""
         return apply_ops(self._store, ops)
 
-    def begin_turn(self, session_id: str) -> Claim:
-        return self._store.begin_turn(session_id)
-
-    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | ConversationTail | None) -> None:
-        self._store.end_turn(lease_id, outcome, conversation)
-
     def drop_engine(self, engine_id: str) -> int:
         return self._store.drop_engine(engine_id)
 
@@ -149,9 +143,6 @@ class HandleStoreActor:
 
     def take_releases(self) -> list:
         return self._store.take_releases()
-
-    def end_session(self, session_id: str) -> bool:
-        return self._store.end_session(session_id)
 
     def stats(self) -> dict:
         """The shard's state and counters, the settings it was built with, and the CPU
