@@ -1,0 +1,193 @@
+"""What computing a turn's new tokens costs one engine, and what slows a prefill engine.
+
+    python -m bench.prefill_cost                      # cpu profile's model, 6k history + 1k new
+    python -m bench.prefill_cost --history 3000 --new 700 --reps 3
+
+One experiment per suspected cause of bidir's prefill engine computing the same new tokens
+more slowly than a single engine (the cpu profile's gap):
+
+* `plain`: an engine as `single` runs it; the history is in its prefix cache.
+* `nixl`: the same engine with the NixlConnector configured as the app's prefill engine
+  (its KV cache layout and scheduler/worker hooks), no transfer: the connector's own cost.
+* `plain+decode`, `nixl+decode`: the same while another engine process decodes two
+  sequences without pause, as the decode engine does beside prefill in bidir (cores and
+  memory bandwidth shared).
+
+Each variant runs in a fresh process: one engine (one OpenMP thread, unbound, as the app
+sizes engines on this 2-core machine), the history computed once, then `--reps` requests
+of the history plus `--new` fresh tokens each, `max_tokens=1`, timed from submission to
+output; then the time per token of 64 decode steps over the same history. Prints a
+markdown table of the medians per variant and their ratio to `plain`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("plain", "nixl", "plain+decode", "nixl+decode")
+RESULT = "prefill-cost: "
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.prefill_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench-qwen3", help="a path, or a shape of bench.models (default: %(default)s)")
+    p.add_argument("--history", type=int, default=6000, help="cached history tokens (default: %(default)s)")
+    p.add_argument("--new", type=int, default=1000, help="new tokens computed per request (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="timed requests per variant (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (default: %(default)s)")
+    p.add_argument("--raw-nixl", action="store_true", help="without the app's vLLM plugin settings (NIXL's progress thread spins)")
+    p.add_argument("--out", default="bench/results/prefill_cost.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _engine(model: str, nixl: bool):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if nixl:
+        kv = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_buffer_device="cpu",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"backends": ["UCX"], "bidirectional_kv_xfer": True},
+        )
+    return LLM(
+        model=model, load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=12288, block_size=32,
+        enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30, kv_transfer_config=kv, disable_log_stats=True,
+    )
+
+
+def _measure(args: argparse.Namespace, nixl: bool) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = _engine(args.model, nixl)
+    rng = random.Random(0)
+    history = [rng.randrange(10, 500) for _ in range(args.history)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([TokensPrompt(prompt_token_ids=history)], one, use_tqdm=False)
+    times = []
+    for rep in range(args.reps + 1):  # the first one warms up
+        new = [rng.randrange(10, 500) for _ in range(args.new)]
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=history + new)], one, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        cached = out[0].num_cached_tokens or 0
+        if rep:
+            times.append(elapsed)
+        assert cached >= args.history - 32, f"history not cached ({cached} of {args.history})"
+    # Decode steps over the same history: 64 tokens after a fully cached prompt.
+    steps = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
+    itl = []
+    for _ in range(2):
+        prompt = history + [rng.randrange(10, 500)]
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)  # cache it
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], steps, use_tqdm=False)
+        itl.append((time.perf_counter() - t) / 64)
+    return {"seconds": times, "median_s": statistics.median(times), "itl_s": min(itl)}
+
+
+def _decode_forever(args: argparse.Namespace) -> None:
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = _engine(args.model, nixl=False)
+    rng = random.Random(1)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, 500) for _ in range(2000)]) for _ in range(2)]
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    print("ready", flush=True)
+    while True:
+        llm.generate(prompts, long, use_tqdm=False)
+
+
+def _env(args: argparse.Namespace) -> dict:
+    from connector import vllm_plugin
+    from app.config import TransferConfig
+
+    t = TransferConfig()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "UCX_NET_DEVICES": "lo"}
+    if not args.raw_nixl:
+        # The app's engine settings (connector.vllm_plugin): NIXL's progress thread polls
+        # with a timeout instead of spinning a core, the idle engine loop waits.
+        env[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(t.nixl_progress_poll_ms * 1000))
+        env[vllm_plugin.ENV_IDLE_POLL_MS] = str(t.idle_poll_ms)
+    return env
+
+
+def _run(args: argparse.Namespace, variant: str) -> dict:
+    base = [sys.executable, "-m", "bench.prefill_cost", "--model", args.model, "--history", str(args.history), "--new", str(args.new), "--reps", str(args.reps)]
+    decoder = None
+    try:
+        if variant.endswith("+decode"):
+            decoder = subprocess.Popen(base + ["--worker", "decode"], env=_env(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            while (line := decoder.stdout.readline()) and line.strip() != "ready":
+                pass
+            time.sleep(2)
+        worker = "nixl" if variant.startswith("nixl") else "plain"
+        done = subprocess.run(base + ["--worker", worker], env=_env(args), capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
+        return json.loads(next(line for line in done.stdout.splitlines() if line.startswith(RESULT))[len(RESULT) :])
+    finally:
+        if decoder is not None:
+            decoder.kill()
+            decoder.wait()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.model in _shapes():
+        from bench.models import ensure_model
+
+        args.model = str(ensure_model(args.model))
+    if args.worker == "decode":
+        _decode_forever(args)
+        return 0
+    if args.worker:
+        print(RESULT + json.dumps(_measure(args, nixl=args.worker == "nixl")), flush=True)
+        return 0
+    results = {}
+    for variant in args.variants.split(","):
+        t = time.perf_counter()
+        results[variant] = _run(args, variant)
+        print(f"{variant}: median {results[variant]['median_s']:.2f} s ({time.perf_counter() - t:.0f} s with start-up)", flush=True)
+    base = results.get("plain", {}).get("median_s")
+    lines = [
+        f"{args.new} new tokens over a cached history of {args.history}, model `{os.path.basename(args.model)}`, "
+        f"{args.threads} thread(s) per engine, median of {args.reps}.",
+        "",
+        "| variant | prefill seconds | vs plain | decode ms a token | vs plain |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base_itl = results.get("plain", {}).get("itl_s")
+    for variant, r in results.items():
+        ratio = f"{r['median_s'] / base:.2f}x" if base else "-"
+        itl_ratio = f"{r['itl_s'] / base_itl:.2f}x" if base_itl else "-"
+        lines.append(f"| {variant} | {r['median_s']:.2f} | {ratio} | {1000 * r['itl_s']:.1f} | {itl_ratio} |")
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "results": results}, f, indent=2)
+    print(f"results: {args.out}")
+    return 0
+
+
+def _shapes():
+    from bench.models import SHAPES
+
+    return SHAPES
+
+
+if __name__ == "__main__":
+    sys.exit(main())
