@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -129,7 +130,12 @@ def _run(args: argparse.Namespace, variant: str) -> dict:
     decoder = None
     try:
         if variant.endswith("+decode"):
-            decoder = subprocess.Popen(base + ["--worker", "decode"], env=_env(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            # Its own process group: vLLM's engine core is a child process, and killing only
+            # the driver would leave it running (and holding its memory).
+            decoder = subprocess.Popen(
+                base + ["--worker", "decode"], env=_env(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                start_new_session=True,
+            )
             while (line := decoder.stdout.readline()) and line.strip() != "ready":
                 pass
             time.sleep(2)
@@ -140,7 +146,7 @@ def _run(args: argparse.Namespace, variant: str) -> dict:
         return json.loads(next(line for line in done.stdout.splitlines() if line.startswith(RESULT))[len(RESULT) :])
     finally:
         if decoder is not None:
-            decoder.kill()
+            os.killpg(decoder.pid, signal.SIGKILL)
             decoder.wait()
 
 
