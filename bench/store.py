@@ -276,7 +276,8 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
         log(f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), preload {time.perf_counter() - t0 - elapsed:.0f} s")
         # What a turn costs the shard's process (all its threads), whoever else shares the cores:
         # the rate one shard would sustain on a core of its own with callers that keep up.
-        log(f"  shard CPU: {cpu_s:.1f} s, {1e6 * cpu_s / max(1, len(pairs)):.0f} us a turn ({len(pairs) / max(cpu_s, 1e-9):,.0f} turns per CPU-second)")
+        us_per_turn, per_cpu_s = 1e6 * cpu_s / max(1, len(pairs)), len(pairs) / max(cpu_s, 1e-9)
+        log(f"  shard CPU: {cpu_s:.1f} s, {us_per_turn:.0f} us a turn ({per_cpu_s:,.0f} turns per CPU-second)")
         stats = ray.get(actor.stats.remote())
         return {
             "sessions": n,
@@ -285,8 +286,8 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
             "turns": len(pairs),
             "turns_per_s": len(pairs) / elapsed,
             "shard_cpu_s": cpu_s,
-            "shard_cpu_us_per_turn": 1e6 * cpu_s / max(1, len(pairs)),
-            "turns_per_shard_cpu_s": len(pairs) / max(cpu_s, 1e-9),
+            "shard_cpu_us_per_turn": us_per_turn,
+            "turns_per_shard_cpu_s": per_cpu_s,
             "pair_latency": summary_ms(pairs),
             "bytes_per_session": stats["bytes_per_session"],
         }

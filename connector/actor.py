@@ -344,9 +344,7 @@ class _ShardQueue:
 
     async def _send_batch(self, batch: list[tuple[str, tuple, asyncio.Future]]) -> None:
         try:
-            results = await self._call(self._actor.apply.remote(pack([(op, args) for op, args, _ in batch])))
-            if isinstance(results, bytes):
-                results = pickle.loads(results)
+            results = pickle.loads(await self._call(self._actor.apply.remote(pack([(op, args) for op, args, _ in batch]))))
         except StoreUnavailable as exc:
             results = [(False, exc)] * len(batch)
         except Exception as exc:  # never leave a caller waiting
