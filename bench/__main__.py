@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
     )
     e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: the app's sizing, half the cores)")
+    e.add_argument(
+        "--cpu-binding", choices=("nobind", "exclusive", "vllm"),
+        help="CPU profiles: the app's cpu_binding per engine (default: the app's, nobind)",
+    )
     e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -145,6 +149,7 @@ def _profile_from(args: argparse.Namespace):
         pull_timeout_s=args.pull_timeout_s,
         decode_local_tokens=args.decode_local_tokens,
         cpu_threads=args.threads,
+        cpu_binding=args.cpu_binding,
         host_offload_bytes=int(args.host_offload_gib * (1 << 30)) if args.host_offload_gib else None,
         env=env,
     )

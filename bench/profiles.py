@@ -56,6 +56,8 @@ class Profile:
     each have their own cores and the single engine gets as many as each of them."""
     cpu_threads: int | None = None
     """Explicit OpenMP threads per engine (`--threads`); None: the app's own sizing."""
+    cpu_binding: str | None = None
+    """The app's `cpu_binding` per engine (`--cpu-binding`); None: the app's default."""
     num_gpus: float = 0.0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     recompute_threshold_tokens: int = 64
@@ -87,6 +89,7 @@ class Profile:
             "num_replicas": 1,
             "num_cpus": self.num_cpus if self.num_cpus is not None else engine_cpus(),
             "cpu_threads": self.cpu_threads,
+            **({"cpu_binding": self.cpu_binding} if self.cpu_binding else {}),
             "num_gpus": self.num_gpus,
             "kv_cache_memory_bytes": self.kv_cache_bytes,
             "engine_kwargs": dict(self.engine_kwargs),

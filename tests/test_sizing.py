@@ -110,3 +110,15 @@ def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
     assert engine_dtype("auto", on_cpu=True) == "float32"
     assert engine_dtype("bfloat16", on_cpu=True) == "bfloat16"
     assert engine_dtype("auto", on_cpu=False) == "auto"
+
+
+def test_benchmark_sizes_engines_through_the_app_config():
+    """`python -m bench --threads/--cpu-binding` set the app's own role fields (no separate recipe)."""
+    from bench.__main__ import _profile_from, parse_args
+
+    prof = _profile_from(parse_args(["--profile", "chat", "--threads", "3", "--cpu-binding", "exclusive"]))
+    cfg = prof.app_config("bidir", "m", "a")
+    for role in (cfg.prefill, cfg.decode):
+        assert (role.cpu_threads, role.cpu_binding) == (3, "exclusive")
+    default = _profile_from(parse_args(["--profile", "chat"])).app_config("single", "m", "a")
+    assert (default.decode.cpu_threads, default.decode.cpu_binding) == (None, "nobind")
