@@ -355,6 +355,10 @@ class VLLMEngine:
         env = {**cpu.env(), **self._cfg.env}
         os.environ.update({key: env[key] for key in cpu.env()})
         os.environ[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `cpu_threads_in_use` ask the worker
+        if self._role.cpu_spin_ms is not None:
+            os.environ[vllm_plugin.ENV_WORKER_SPIN_MS] = str(self._role.cpu_spin_ms)
+        else:
+            os.environ.pop(vllm_plugin.ENV_WORKER_SPIN_MS, None)
         return CpuPlan(int(env["OMP_NUM_THREADS"]), env["VLLM_CPU_OMP_THREADS_BIND"])
 
     async def cpu_threads_in_use(self) -> int | None:

@@ -190,6 +190,79 @@ def test_idle_nixl_agents_do_not_spin():
     assert float(cpu_seconds) < 0.5  # over 2 s of idling
 
 
+# -- the engine core and its worker waiting for each other -------------------------------
+
+QUEUE_READER = """
+import threading, time
+from connector import vllm_plugin
+vllm_plugin.register()  # reads KVTURN_WORKER_SPIN_MS, as in an engine core or worker
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+writer = MessageQueue(1, 1)  # vLLM's step queue: one writer, one local reader
+handle = writer.export_handle()
+got, cpu, latency = [], [], []
+def read():
+    reader = MessageQueue.create_from_handle(handle, 0)
+    reader.wait_until_ready()
+    got.append(reader.dequeue())
+    t0 = time.thread_time()
+    got.append(reader.dequeue())  # written a second later, as a long step's output would be
+    latency.append(time.monotonic() - sent[0])
+    cpu.append(time.thread_time() - t0)
+sent = []
+thread = threading.Thread(target=read)
+thread.start()
+writer.wait_until_ready()
+writer.enqueue("step-1")
+time.sleep(1.0)
+sent.append(time.monotonic())
+writer.enqueue("step-2")
+thread.join()
+print(",".join(got), round(cpu[0], 3), round(latency[0], 4))
+"""
+
+
+@pytest.mark.parametrize("spin_ms", [None, "0"])
+def test_queue_reader_sleeps_until_notified(spin_ms):
+    # vLLM's own shared-memory queue in a fresh interpreter: unpatched, a reader that just
+    # got a message spins for the next one (most of a core for the second it waits);
+    # patched, it sleeps and still gets the next message as soon as it is written.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != vllm_plugin.ENV_WORKER_SPIN_MS}
+    if spin_ms is not None:
+        env[vllm_plugin.ENV_WORKER_SPIN_MS] = spin_ms
+    out = subprocess.run([sys.executable, "-c", QUEUE_READER], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    messages, cpu_seconds, latency = out.stdout.split()[-3:]
+    assert messages == "step-1,step-2"
+    if spin_ms is None:
+        assert float(cpu_seconds) > 0.2
+    else:
+        assert float(cpu_seconds) < 0.05
+        assert float(latency) < 0.05
+
+
+def test_queue_spin_patch_updates_and_never_wraps_twice():
+    class Condition:
+        def __init__(self):
+            self.busy_loop_s, self.waits = 1.0, 0
+
+        def wait(self, timeout_ms=None):
+            self.waits += 1
+
+    vllm_plugin.patch_message_queue_spin(0.002, Condition)
+    first = Condition.wait
+    condition = Condition()
+    condition.wait()
+    assert condition.busy_loop_s == 0.002 and condition.waits == 1
+    vllm_plugin.patch_message_queue_spin(0.0, Condition)
+    assert Condition.wait is first
+    condition.wait()
+    assert condition.busy_loop_s == 0.0 and condition.waits == 2
+
+
 # -- lifetime guard ------------------------------------------------------------------------
 
 _ENGINE = """
