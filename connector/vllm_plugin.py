@@ -1,7 +1,8 @@
 """A vLLM general plugin, loaded in every vLLM process of this environment (entry point
 `vllm.general_plugins` in pyproject.toml). It does nothing unless the engine was started
-by our servers, which set the variables below in the engine's environment. Two fixes for
-CPU burnt by busy loops in idle engines; on a 2-core host they halved P/D TTFT.
+by our servers, which set the variables below in the engine's environment. Three fixes for
+CPU burnt by busy loops (on a 2-core host the first two halved P/D TTFT), and a guard that
+ends the engine's processes with their replica.
 
 1. NIXL's progress thread (`KVTURN_NIXL_PROGRESS_DELAY_US`). NIXL's Python agent
 creates its UCX backend with a progress-thread poll timeout of 0: the thread that
