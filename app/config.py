@@ -74,7 +74,8 @@ class EngineRoleConfig(_Strict):
         ge=0,
         description=(
             "CPU engines: how long the engine core and its worker process busy-wait for each "
-            "other's next message before sleeping until notified. vLLM spins for 1 s, which "
+            "other's next message before sleeping until notified (rechecking the queue as "
+            "they wait). vLLM spins for 1 s, which "
             "keeps a core busy per process while the model computes on another; 0 sleeps at "
             "once (a wake-up costs microseconds per step). None: vLLM's own."
         ),

@@ -29,8 +29,10 @@ spins (`sched_yield`) for the next one instead of sleeping on the queue's notifi
 So the engine core keeps a core busy while its worker computes a step, and the worker
 while the engine core schedules the next: on a CPU node those are the cores the models
 compute on (measured on 2 cores, prefill beside decode: the decode engine core took
-35-70% of a core, and prefill ran ~1.5x slower). Readers now spin at most this long;
-the writer notifies every message, so a sleeping reader wakes at once.
+35-70% of a core, and prefill's worker fell to 50-75% of one). Readers now spin at most
+this long, then sleep until the writer's notification. Notifications can be lost (~1% of
+steps; vLLM's reader would find the message only at its 5 s recheck), so a sleeping
+reader also rechecks the queue after an eighth of the time it has waited (1-50 ms).
 
 4. The engine's lifetime (`KVTURN_OWNER_PID`). vLLM runs the engine core in a child
 process of the replica (and, with several workers, workers below it). Signals that reach
