@@ -108,6 +108,18 @@ class TransferConfig(_Strict):
             "history. 0: every turn goes through prefill."
         ),
     )
+    decode_local_busy_tokens: int = Field(
+        2048,
+        ge=0,
+        description=(
+            "bidir: while prefill legs are in flight, a turn with at most this many tokens to compute "
+            "goes to the session's decode replica instead when that gives its first token sooner: "
+            "the prefill legs ahead plus its own tokens take longer, at the paces this ingress "
+            "measured, than what that replica is computing alone plus its own. Spreads a burst of "
+            "turns over both engines instead of queueing them on prefill; the new tokens share "
+            "decode's steps with the answers it streams. 0: only `decode_local_tokens` applies."
+        ),
+    )
     idle_poll_ms: float = Field(
         20.0,
         ge=0,

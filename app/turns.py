@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Literal, Protocol, Sequence
 
 from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
@@ -111,15 +111,17 @@ class TurnResult:
 TurnEvent = Delta | TurnResult
 
 
-class PrefillPace:
-    """How long prefill legs take here, to give a leg that pulls history a deadline that
-    covers its compute: `pull_timeout_s` bounds what the pull adds, not the whole leg.
+class LegPace:
+    """How long legs take on one pool of engines, to give a leg that pulls history a
+    deadline that covers its compute (`pull_timeout_s` bounds what the pull adds, not the
+    whole leg) and to tell where a turn's first token comes sooner.
 
-    Tracks seconds per prompt token the prefill pool computes (a moving average over this
+    Tracks seconds per prompt token the pool computes (a moving average over this
     ingress's legs: a leg's time over its own tokens plus those of the legs that were in
     flight when it started, since it waited for them) and the tokens that legs in flight
     will compute. Counting the legs ahead in the pace keeps queueing from being counted
-    twice under load (once in the pace, again in the tokens ahead)."""
+    twice under load (once in the pace, again in the tokens ahead). One instance for the
+    prefill pool, one per decode replica for the turns it computes alone."""
 
     MIN_TOKENS = 64
     """Legs computing fewer tokens are mostly fixed cost; they don't update the pace."""
@@ -145,10 +147,12 @@ class PrefillPace:
             return base_s
         return base_s + 2.0 * self.seconds_per_token * (self.tokens_in_flight + new_tokens)
 
-    def expected(self, new_tokens: int) -> float:
+    def expected(self, new_tokens: int, seconds_per_token: float | None = None) -> float:
         """Seconds a leg computing `new_tokens` (started now) is expected to take, the
-        legs ahead of it included (0 until a leg was measured)."""
-        return (self.seconds_per_token or 0.0) * (self.tokens_in_flight + new_tokens)
+        legs ahead of it included (0 until a leg was measured; `seconds_per_token`
+        stands in for the pace until then)."""
+        pace = self.seconds_per_token if self.seconds_per_token is not None else seconds_per_token
+        return (pace or 0.0) * (self.tokens_in_flight + new_tokens)
 
 
 class Turns:
@@ -160,7 +164,9 @@ class Turns:
         self._store = store if cfg.mode is not Mode.ONEWAY else None
         self._tok = tokenizer
         self.counts: Counter[str] = Counter()
-        self.pace = PrefillPace()
+        self.pace = LegPace()
+        self.local_pace: dict[str, LegPace] = {}
+        """Per decode replica: the turns it computes alone (`_decode_local`)."""
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
@@ -179,10 +185,12 @@ class Turns:
             decode_params, cached, pulled = None, 0, 0
             local = self._decode_local(prompt_ids, history, conv)
             if local:
-                # Decode computes the few new tokens over the history it holds: no prefill
+                # Decode computes the new tokens over the history it holds: no prefill
                 # leg, no transfer. The claimed handle is left unread (released early).
                 decode_params = local_decode_params()
                 self.counts["decode_local"] += 1
+                if local == "busy":
+                    self.counts["decode_local_busy"] += 1
             elif self._cfg.disaggregated:
                 decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline, timings)
                 timings["prefill_s"] = time.monotonic() - started
@@ -205,18 +213,28 @@ class Turns:
             generated: list[int] = []
             texts: list[str] = []
             final, replica = None, None
-            async for chunk, replica in self._decode(request):
-                if "first_token_s" not in timings:
-                    timings["first_token_s"] = time.monotonic() - started
-                if chunk.engine_timings and "decode_engine_s" not in timings:
-                    timings["decode_queue_s"] = chunk.engine_timings["queue_s"]
-                    timings["decode_engine_s"] = chunk.engine_timings["first_token_s"]
-                generated.extend(chunk.token_ids)
-                texts.append(chunk.text)
-                if chunk.token_ids or chunk.text:
-                    yield Delta(chunk.text, chunk.token_ids, chunk.logprobs)
-                if chunk.finished:
-                    final = chunk
+            leg = None
+            if local and request.preferred_replica:
+                new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
+                leg = _LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
+            try:
+                async for chunk, replica in self._decode(request):
+                    if "first_token_s" not in timings:
+                        timings["first_token_s"] = time.monotonic() - started
+                        if leg is not None:
+                            leg.first_token()
+                    if chunk.engine_timings and "decode_engine_s" not in timings:
+                        timings["decode_queue_s"] = chunk.engine_timings["queue_s"]
+                        timings["decode_engine_s"] = chunk.engine_timings["first_token_s"]
+                    generated.extend(chunk.token_ids)
+                    texts.append(chunk.text)
+                    if chunk.token_ids or chunk.text:
+                        yield Delta(chunk.text, chunk.token_ids, chunk.logprobs)
+                    if chunk.finished:
+                        final = chunk
+            finally:
+                if leg is not None:
+                    leg.end(len(prompt_ids) - final.num_cached_tokens if final is not None else None)
             if final is None:
                 raise RuntimeError("decode engine ended the stream without a final output")
             if local or not self._cfg.disaggregated:
@@ -350,18 +368,42 @@ class Turns:
         self.counts["handle_used"] += 1
         return handle, None
 
-    def _decode_local(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> bool:
-        """Whether the session's decode replica computes this turn alone
-        (`transfer.decode_local_tokens`): bidir only, few tokens to compute past the
-        history it holds, and that history in its prefix cache."""
-        limit = self._cfg.transfer.decode_local_tokens
-        if not self._cfg.reuses_kv or limit <= 0:
-            return False
+    def _decode_local(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> Literal["short", "busy"] | None:
+        """Whether the session's decode replica computes this turn alone, and why: bidir
+        only, with that replica's prefix cache holding the history (or no history at all).
+
+        * "short": few tokens to compute (`transfer.decode_local_tokens`): a P/D leg would
+          cost more than it saves.
+        * "busy": prefill has legs in flight and the turn (at most
+          `transfer.decode_local_busy_tokens` to compute) would get its first token sooner
+          from its decode replica: the prefill legs ahead plus its own tokens, at the
+          prefill pool's pace, take longer than the turns that replica is computing alone
+          plus its own, at its pace (the prefill pool's until it has one). Both sides are
+          this ingress's view: under several ingress replicas each counts only the legs it
+          sent, so the rule sees part of the load on either side.
+        """
+        t = self._cfg.transfer
+        if not self._cfg.reuses_kv:
+            return None
         if history is None:
-            return len(prompt_ids) <= limit
-        if not self._cfg.decode.enable_prefix_caching or conv is None or not conv.decode_replica:
-            return False
-        return len(prompt_ids) - history.num_tokens <= limit
+            new_tokens, replica = len(prompt_ids), conv.decode_replica if conv is not None else None
+        elif self._cfg.decode.enable_prefix_caching and conv is not None and conv.decode_replica:
+            new_tokens, replica = len(prompt_ids) - history.num_tokens, conv.decode_replica
+        else:
+            return None
+        if new_tokens <= t.decode_local_tokens:
+            return "short"
+        if new_tokens > t.decode_local_busy_tokens or replica is None or self.pace.tokens_in_flight <= 0:
+            return None
+        on_prefill = self.pace.expected(new_tokens)
+        on_decode = self._local_pace(replica).expected(new_tokens, self.pace.seconds_per_token)
+        return "busy" if on_decode < on_prefill else None
+
+    def _local_pace(self, replica: str) -> LegPace:
+        pace = self.local_pace.get(replica)
+        if pace is None:
+            pace = self.local_pace[replica] = LegPace()
+        return pace
 
     async def _prefill(
         self,
@@ -375,7 +417,7 @@ class Turns:
         the prompt tokens prefill did not compute, and whether the offered history was read.
         The engine's own times of the leg that answered go into `timings`.
 
-        A leg that pulls history gets a deadline (`PrefillPace.deadline`: the pull's
+        A leg that pulls history gets a deadline (`LegPace.deadline`: the pull's
         `transfer.pull_timeout_s` on top of the compute expected here); past it the call
         is cancelled (the server aborts the engine request) and prefill recomputes. The
         deadline never passes `pin_deadline`, when the decode engine's pin ends (counted
@@ -507,6 +549,32 @@ class Turns:
             # The stop/EOS token is in the ids but not in the text the client receives.
             suffix = self._tok.piece(generated[-1])
         return turn.prompt_text + text + suffix
+
+
+class _LocalLeg:
+    """A turn its decode replica computes alone, in that replica's `LegPace`: its tokens
+    are in flight until its first token, and a finished turn updates the pace."""
+
+    def __init__(self, pace: LegPace, new_tokens: int):
+        self._pace = pace
+        self._tokens = max(0, new_tokens)
+        self._ahead = pace.tokens_in_flight
+        self._started = time.monotonic()
+        self._to_first: float | None = None
+        pace.tokens_in_flight += self._tokens
+
+    def first_token(self) -> None:
+        if self._to_first is None:
+            self._to_first = time.monotonic() - self._started
+            self._pace.tokens_in_flight -= self._tokens
+
+    def end(self, computed_tokens: int | None) -> None:
+        """Called once, however the turn ended; `computed_tokens` None: it failed."""
+        if self._to_first is None:
+            self._to_first = -1.0
+            self._pace.tokens_in_flight -= self._tokens
+        elif computed_tokens is not None:
+            self._pace.observe(computed_tokens, self._to_first, self._ahead)
 
 
 logger = logging.getLogger("ray.serve")

@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the app's transfer.decode_local_tokens: bidir turns computing at most this many tokens skip prefill (0: none do)",
     )
     e.add_argument(
+        "--decode-local-busy-tokens", type=int,
+        help="the app's transfer.decode_local_busy_tokens: while prefill is busy, bidir turns computing at most this "
+        "many tokens go to their decode replica when it answers sooner (0: never)",
+    )
+    e.add_argument(
         "--host-offload-gib", type=float,
         help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
     )
@@ -148,6 +153,7 @@ def _profile_from(args: argparse.Namespace):
         prefill_prefix_caching=args.prefill_prefix_caching,
         pull_timeout_s=args.pull_timeout_s,
         decode_local_tokens=args.decode_local_tokens,
+        decode_local_busy_tokens=args.decode_local_busy_tokens,
         cpu_threads=args.threads,
         cpu_binding=args.cpu_binding,
         host_offload_bytes=int(args.host_offload_gib * (1 << 30)) if args.host_offload_gib else None,

@@ -67,6 +67,10 @@ class Profile:
     decode_local_tokens: int | None = None
     """The app's `transfer.decode_local_tokens` (None: the app's default): bidir turns that
     compute at most this many tokens skip the prefill leg."""
+    decode_local_busy_tokens: int | None = None
+    """The app's `transfer.decode_local_busy_tokens` (None: the app's default): while
+    prefill is busy, bidir turns computing at most this many tokens go to their decode
+    replica when that answers sooner."""
     kv_buffer_device: str | None = "cpu"
     host_offload_bytes: int | None = None
     """The app's `transfer.host_offload_bytes` (accelerator engines: a host-memory KV tier)."""
@@ -114,6 +118,7 @@ class Profile:
                 "kv_buffer_device": self.kv_buffer_device,
                 **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
                 **({"decode_local_tokens": self.decode_local_tokens} if self.decode_local_tokens is not None else {}),
+                **({"decode_local_busy_tokens": self.decode_local_busy_tokens} if self.decode_local_busy_tokens is not None else {}),
                 **({"host_offload_bytes": self.host_offload_bytes} if self.host_offload_bytes else {}),
             },
             "app_name": app_name,
@@ -214,8 +219,10 @@ def profile(name: str) -> Profile:
             max_model_len=2048,
             kv_cache_bytes=128 * MiB,
             recompute_threshold_tokens=32,
-            # Short turns would stay on decode (decode_local_tokens): prove the pulls instead.
+            # Short turns would stay on decode (decode_local_tokens), and a burst would be
+            # spread over decode (decode_local_busy_tokens): prove the pulls instead.
             decode_local_tokens=0,
+            decode_local_busy_tokens=0,
             env=cpu_env(),
         )
     if name == "pressure":
@@ -241,6 +248,7 @@ def profile(name: str) -> Profile:
             sessions={"pinned_fraction": 0.5, "release_interval_s": 0.5},
             # Every turn pins and pulls through prefill: the path under pressure here.
             decode_local_tokens=0,
+            decode_local_busy_tokens=0,
             env=cpu_env(),
         )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")

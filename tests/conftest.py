@@ -75,6 +75,7 @@ def pd_config(**overrides):
         "transfer": {
             "recompute_threshold_tokens": 32,
             "decode_local_tokens": 0,
+            "decode_local_busy_tokens": 0,
             "kv_buffer_device": "cpu",
             "decoder_kv_blocks_ttl_s": 40,
             "pull_timeout_s": 15,

@@ -24,7 +24,7 @@ import pytest
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
-from app.turns import Delta, PrefillPace, TurnInput, TurnResult, Turns
+from app.turns import Delta, LegPace, TurnInput, TurnResult, Turns
 from tests.conftest import config_with
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
@@ -783,7 +783,7 @@ async def test_slow_prefill_that_pulls_is_not_cut(model_dir):
     rig = Rig(model_dir, PacedEngines(0.003), max_model_len=1024, **{"transfer.pull_timeout_s": 0.01})
     p1 = LONG_SYSTEM + "USER: hello there\nASSISTANT:"
     text1, _, r1 = await rig.turn(text=p1)
-    assert r1.prompt_tokens >= PrefillPace.MIN_TOKENS
+    assert r1.prompt_tokens >= LegPace.MIN_TOKENS
     assert rig.turns.pace.seconds_per_token >= 0.003
     text2 = p1 + text1 + USER2 + "and please tell me about tomorrow too"
     _, _, r2 = await rig.turn(text=text2)
@@ -795,7 +795,7 @@ async def test_slow_prefill_that_pulls_is_not_cut(model_dir):
 
 
 def test_prefill_pace_deadline():
-    pace = PrefillPace(weight=0.5)
+    pace = LegPace(weight=0.5)
     assert pace.deadline(1000, 30.0) == 30.0  # nothing measured yet
     pace.observe(10, 5.0)  # too few tokens to tell
     assert pace.seconds_per_token is None
@@ -812,7 +812,7 @@ def test_prefill_pace_counts_queueing_once():
     """Under load a leg's time includes the legs ahead of it: the pace is per token the
     pool computed, so the expected time of a leg with many legs ahead stays linear in
     the tokens ahead instead of growing with their square."""
-    pace = PrefillPace(weight=1.0)
+    pace = LegPace(weight=1.0)
     # 63 legs of 1,000 tokens ahead, each leg computing 1,000 at 1 ms a token: 64 s.
     pace.observe(1000, 64.0, ahead_tokens=63_000)
     assert pace.seconds_per_token == pytest.approx(0.001)
@@ -1082,3 +1082,84 @@ async def test_decode_local_turns_need_the_decode_prefix_cache_and_bidir(model_d
     oneway = Rig(model_dir, mode="oneway", **{"transfer.decode_local_tokens": 64})
     await oneway.turn(text=P1)
     assert len(oneway.engines.prefill_requests) == 1 and oneway.turns.counts["decode_local"] == 0
+
+
+# -- turns that would queue behind a busy prefill (transfer.decode_local_busy_tokens) ----------
+
+TOOL_RESULT = "\nTOOL: " + "y" * 120 + "\nASSISTANT:"
+
+
+async def two_sessions_then_a_burst(rig: Rig) -> tuple[TurnResult, TurnResult, list[int]]:
+    """Two sessions' first turns one after the other (the prefill pace is measured), then
+    both sessions' second turns at once: s1's leg is on prefill when s2's turn arrives.
+    Returns both second turns' results and s2's answer ids."""
+    histories = {}
+    for session in ("s1", "s2"):
+        prompt = LONG_SYSTEM + f"USER: hello from {session}\nASSISTANT:"
+        text, _, _ = await rig.turn(text=prompt, session=session)
+        histories[session] = prompt + text
+    assert rig.turns.pace.seconds_per_token is not None
+    first = asyncio.create_task(rig.turn(text=histories["s1"] + TOOL_RESULT, session="s1"))
+    while rig.turns.pace.tokens_in_flight == 0:
+        await asyncio.sleep(0)
+    _, ids2, r2 = await rig.turn(text=histories["s2"] + TOOL_RESULT, session="s2")
+    _, _, r1 = await first
+    return r1, r2, ids2
+
+
+async def test_a_turn_that_would_queue_behind_prefill_is_computed_by_its_decode_replica(model_dir):
+    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
+    assert rig.cfg.transfer.decode_local_tokens == 0 and rig.cfg.transfer.decode_local_busy_tokens >= len(enc(TOOL_RESULT))
+    r1, r2, ids2 = await two_sessions_then_a_burst(rig)
+    # s1 went through prefill, which pulled its history; s2 went to its decode replica.
+    assert len(rig.engines.prefill_requests) == 3 and r1.reused_from_decode > 0
+    assert rig.turns.counts["decode_local_busy"] == 1 and rig.turns.counts["decode_local"] == 1
+    [(decode_req, replica)] = [(q, r) for q, r in rig.engines.decode_requests if q.prompt_token_ids == r2.prompt_token_ids]
+    assert decode_req.kv_params == local_decode_params() and replica == r2.decode_replica
+    assert ids2 == expected_answer(rig.engines, r2.prompt_tokens)[1]
+    # Decode's prefix cache held s2's first turn: only the tool result's blocks were computed.
+    assert r2.reused_from_decode == 0 and 0 < r2.cached_tokens and r2.prompt_tokens - r2.cached_tokens <= len(enc(TOOL_RESULT)) + BLOCK
+    # The claimed handle was left unread; the turn's own handle is stored for a later pull.
+    s2_ends = [(o, c) for s, o, c in rig.store.ended if s == "s2"]
+    assert s2_ends[-1][0] is TurnOutcome.UNUSED and s2_ends[-1][1].handle is not None
+    # The replica's own pace was measured and nothing is left counted in flight.
+    local = rig.turns.local_pace[replica]
+    assert local.seconds_per_token is not None and local.tokens_in_flight == 0 and rig.turns.pace.tokens_in_flight == 0
+
+
+async def test_a_burst_stays_on_prefill_past_the_busy_limit(model_dir):
+    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024, **{"transfer.decode_local_busy_tokens": 50})
+    r1, r2, ids2 = await two_sessions_then_a_burst(rig)
+    assert len(rig.engines.prefill_requests) == 4 and rig.turns.counts["decode_local"] == 0
+    assert r1.reused_from_decode > 0 and r2.reused_from_decode > 0
+    assert ids2 == expected_answer(rig.engines, r2.prompt_tokens)[1]
+
+
+async def test_a_burst_stays_on_prefill_when_decode_would_answer_later(model_dir):
+    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
+    # The decode replicas have been measured computing alone far slower than prefill.
+    for replica in rig.engines.decode_replicas:
+        rig.turns.local_pace[replica] = LegPace()
+        rig.turns.local_pace[replica].seconds_per_token = 1.0
+    r1, r2, _ = await two_sessions_then_a_burst(rig)
+    assert len(rig.engines.prefill_requests) == 4 and rig.turns.counts["decode_local_busy"] == 0
+    assert r2.reused_from_decode > 0
+
+
+def test_leg_pace_expected_uses_a_stand_in_until_measured():
+    pace = LegPace()
+    assert pace.expected(100) == 0.0 and pace.expected(100, 0.01) == pytest.approx(1.0)
+    pace.tokens_in_flight = 300
+    assert pace.expected(100, 0.01) == pytest.approx(4.0)
+    pace.observe(1000, 2.0)
+    assert pace.expected(100, 0.01) == pytest.approx(0.002 * 400)
+
+
+async def test_a_failed_decode_local_turn_leaves_nothing_in_flight(model_dir):
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64})
+    text1, _, r1 = await rig.turn(text=P1)
+    rig.engines.fail_mid_stream = True
+    with pytest.raises(APIError):
+        await rig.turn(text=P1 + text1 + USER2)
+    assert rig.turns.counts["decode_local"] == 2
+    assert rig.turns.local_pace[r1.decode_replica].tokens_in_flight == 0

@@ -55,6 +55,7 @@ def mem_config(**overrides):
         "transfer": {
             "recompute_threshold_tokens": 32,
             "decode_local_tokens": 0,  # every turn pins and pulls: the pressure under test
+            "decode_local_busy_tokens": 0,
             "kv_buffer_device": "cpu",
             "decoder_kv_blocks_ttl_s": DECODER_TTL_S,
             "pull_timeout_s": 15,
