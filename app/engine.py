@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
-from app.config import AppConfig, EngineRoleConfig, Mode
+from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
 from app.registry import NodeRegistry
 from app.sizing import CpuPlan
 from connector import release, vllm_plugin
@@ -269,6 +269,36 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
     return AsyncEngineArgs(**kwargs)
 
 
+def plugin_env(transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer: bool, cpu: bool) -> dict[str, str | None]:
+    """What `connector.vllm_plugin` and `connector.release` read in an engine's processes,
+    for an engine of `role` (None: unset the variable). Set by `VLLMEngine.start` before
+    vLLM spawns the engine core; `bench.prefill_cost` runs its engines with it too.
+
+    * `transfer` (an engine with the NixlConnector): NIXL's UCX progress thread polls with
+      a timeout instead of spinning, an idle engine holding blocks for transfer waits
+      instead of looping every millisecond, and early release is installed.
+    * `cpu` (a CPU engine): the worker reports its OpenMP threads, and the step queues'
+      readers spin at most `role.cpu_spin_ms` (None: vLLM's own second)."""
+    env: dict[str, str | None] = {}
+    if transfer:
+        env[vllm_plugin.ENV_IDLE_POLL_MS] = str(transfer_cfg.idle_poll_ms)
+        env[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(transfer_cfg.nixl_progress_poll_ms * 1000))
+        env[release.ENV_RELEASE] = "1"
+    if cpu:
+        env[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `VLLMEngine.cpu_threads_in_use` ask the worker
+        env[vllm_plugin.ENV_WORKER_SPIN_MS] = None if role.cpu_spin_ms is None else str(role.cpu_spin_ms)
+    return env
+
+
+def apply_env(env: dict[str, str | None]) -> None:
+    """Set (or, for None, unset) these variables in this process's environment."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def with_host_offload(nixl, host_bytes: int):
     """`nixl`'s KVTransferConfig inside a MultiConnector beside vLLM's OffloadingConnector
     (CPU tier of `host_bytes` per engine): blocks the engine frees (turns released early,
@@ -319,13 +349,10 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cpu_plan = self._size_cpu()
-        for key, value in self._cfg.env.items():
+        apply_env(plugin_env(self._cfg.transfer, self._role, transfer=self._transfer, cpu=self.cpu_plan is not None))
+        for key, value in self._cfg.env.items():  # the app's `env` has the last word
             os.environ[key] = value
         if self._transfer:
-            # Read by connector.vllm_plugin in the engine's processes (0: leave vLLM/NIXL as is).
-            os.environ[vllm_plugin.ENV_IDLE_POLL_MS] = str(self._cfg.transfer.idle_poll_ms)
-            os.environ[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(self._cfg.transfer.nixl_progress_poll_ms * 1000))
-            os.environ[release.ENV_RELEASE] = "1"
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
             port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip
@@ -354,11 +381,6 @@ class VLLMEngine:
         cpu = plan_for_this_replica(self._role.cpu_threads, self._role.cpu_binding)
         env = {**cpu.env(), **self._cfg.env}
         os.environ.update({key: env[key] for key in cpu.env()})
-        os.environ[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `cpu_threads_in_use` ask the worker
-        if self._role.cpu_spin_ms is not None:
-            os.environ[vllm_plugin.ENV_WORKER_SPIN_MS] = str(self._role.cpu_spin_ms)
-        else:
-            os.environ.pop(vllm_plugin.ENV_WORKER_SPIN_MS, None)
         return CpuPlan(int(env["OMP_NUM_THREADS"]), env["VLLM_CPU_OMP_THREADS_BIND"])
 
     async def cpu_threads_in_use(self) -> int | None:

@@ -112,21 +112,17 @@ def _decode_forever(args: argparse.Namespace) -> None:
 
 
 def _env(args: argparse.Namespace) -> dict:
-    from connector import vllm_plugin
     from app.config import EngineRoleConfig, TransferConfig
+    from app.engine import plugin_env
 
-    t = TransferConfig()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "UCX_NET_DEVICES": "lo"}
-    env.pop(vllm_plugin.ENV_WORKER_SPIN_MS, None)
-    if not args.raw_nixl:
-        # The app's engine settings (connector.vllm_plugin): NIXL's progress thread polls
-        # with a timeout instead of spinning a core, the idle engine loop waits, and the
-        # engine core and its worker sleep on their step queues (every CPU engine of the app).
-        env[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(t.nixl_progress_poll_ms * 1000))
-        env[vllm_plugin.ENV_IDLE_POLL_MS] = str(t.idle_poll_ms)
-        spin_ms = EngineRoleConfig().cpu_spin_ms
-        if spin_ms is not None:
-            env[vllm_plugin.ENV_WORKER_SPIN_MS] = str(spin_ms)
+    # The app's engine settings (`app.engine.plugin_env`), as every CPU engine of the app
+    # gets them; --raw-nixl leaves vLLM and NIXL as they are.
+    settings = plugin_env(TransferConfig(), EngineRoleConfig(), transfer=True, cpu=True)
+    for key, value in settings.items():
+        env.pop(key, None)
+        if value is not None and not args.raw_nixl:
+            env[key] = value
     return env
 
 

@@ -411,3 +411,36 @@ def test_owner_gone_sees_a_dead_owner_or_a_new_parent():
     assert not vllm_plugin.owner_gone(os.getppid(), os.getppid())
     assert vllm_plugin.owner_gone(os.getppid(), os.getppid() + 1)  # re-parented
     assert vllm_plugin.owner_gone(2**22 + 12345, os.getppid())  # no such process
+
+
+def test_plugin_env_per_engine_kind():
+    """What an engine's processes are started with (`app.engine.plugin_env`): the step-queue
+    spin only on CPU engines, the transfer settings only on engines with the connector."""
+    import os
+
+    from app.config import EngineRoleConfig, TransferConfig
+    from app.engine import apply_env, plugin_env
+    from connector import release
+
+    role = EngineRoleConfig()
+    cpu_pd = plugin_env(TransferConfig(idle_poll_ms=20, nixl_progress_poll_ms=5), role, transfer=True, cpu=True)
+    assert cpu_pd == {
+        vllm_plugin.ENV_IDLE_POLL_MS: "20.0",
+        vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US: "5000",
+        release.ENV_RELEASE: "1",
+        vllm_plugin.ENV_WORKER_INFO: "1",
+        vllm_plugin.ENV_WORKER_SPIN_MS: str(role.cpu_spin_ms),
+    }
+    assert role.cpu_spin_ms == 0.0  # CPU engines sleep on their step queues by default
+    gpu_single = plugin_env(TransferConfig(), role, transfer=False, cpu=False)
+    assert gpu_single == {}
+    vllm_spin = plugin_env(TransferConfig(), EngineRoleConfig(cpu_spin_ms=None), transfer=False, cpu=True)
+    assert vllm_spin[vllm_plugin.ENV_WORKER_SPIN_MS] is None  # vLLM's own second: unset
+    os.environ[vllm_plugin.ENV_WORKER_SPIN_MS] = "3"
+    try:
+        apply_env(vllm_spin)
+        assert vllm_plugin.ENV_WORKER_SPIN_MS not in os.environ
+        assert os.environ[vllm_plugin.ENV_WORKER_INFO] == "1"
+    finally:
+        os.environ.pop(vllm_plugin.ENV_WORKER_SPIN_MS, None)
+        os.environ.pop(vllm_plugin.ENV_WORKER_INFO, None)
