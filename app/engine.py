@@ -277,16 +277,19 @@ def plugin_env(transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer
     * `transfer` (an engine with the NixlConnector): NIXL's UCX progress thread polls with
       a timeout instead of spinning, an idle engine holding blocks for transfer waits
       instead of looping every millisecond, and early release is installed.
-    * `cpu` (a CPU engine): the worker reports its OpenMP threads, and the step queues'
-      readers spin at most `role.cpu_spin_ms` (None: vLLM's own second)."""
+    * `cpu` (a CPU engine): the worker reports its OpenMP threads and cores, and the step
+      queues' readers spin at most `role.cpu_spin_ms` (None: vLLM's own second).
+    * both: the NixlConnector leaves the cores of the thread that runs the model as the
+      app's sizing set them (it would pin every engine of a node to one core)."""
     env: dict[str, str | None] = {}
     if transfer:
         env[vllm_plugin.ENV_IDLE_POLL_MS] = str(transfer_cfg.idle_poll_ms)
         env[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(transfer_cfg.nixl_progress_poll_ms * 1000))
         env[release.ENV_RELEASE] = "1"
     if cpu:
-        env[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `VLLMEngine.cpu_threads_in_use` ask the worker
+        env[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `VLLMEngine.cpu_in_use` ask the worker
         env[vllm_plugin.ENV_WORKER_SPIN_MS] = None if role.cpu_spin_ms is None else str(role.cpu_spin_ms)
+    env[vllm_plugin.ENV_KEEP_CPU_AFFINITY] = "1" if transfer and cpu else None
     return env
 
 
@@ -383,12 +386,13 @@ class VLLMEngine:
         os.environ.update({key: env[key] for key in cpu.env()})
         return CpuPlan(int(env["OMP_NUM_THREADS"]), env["VLLM_CPU_OMP_THREADS_BIND"])
 
-    async def cpu_threads_in_use(self) -> int | None:
-        """OpenMP threads of the engine's worker process, read back from the worker."""
+    async def cpu_in_use(self) -> dict | None:
+        """The engine's worker process, read back from it: its OpenMP threads (`threads`)
+        and the cores the thread that runs the model may use (`cores`)."""
         if self._llm is None:
             return None
-        result = await self._llm.collective_rpc(vllm_plugin.WORKER_THREADS)
-        return int(result[0]) if result else None
+        result = await self._llm.collective_rpc(vllm_plugin.WORKER_CPU)
+        return dict(result[0]) if result else None
 
     def _metrics_loggers(self) -> list:
         """Stat loggers that export metrics through Ray (`app.metrics`): vLLM's own engine

@@ -86,9 +86,10 @@ class EngineServer:
         plan = getattr(self._engine, "cpu_plan", None)
         return {"cpu_threads": plan.threads, "cpu_binding": plan.bind} if plan else {}
 
-    async def cpu_threads_in_use(self, query: ReplicaQuery | None = None) -> int | None:
-        """OpenMP threads the engine's worker really runs (read back from the worker)."""
-        read = getattr(self._engine, "cpu_threads_in_use", None)
+    async def cpu_in_use(self, query: ReplicaQuery | None = None) -> dict | None:
+        """OpenMP threads the engine's worker really runs and the cores its model thread may
+        use, read back from the worker (`VLLMEngine.cpu_in_use`)."""
+        read = getattr(self._engine, "cpu_in_use", None)
         return await read() if read else None
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -1,8 +1,9 @@
 """A vLLM general plugin, loaded in every vLLM process of this environment (entry point
 `vllm.general_plugins` in pyproject.toml). It does nothing unless the engine was started
 by our servers, which set the variables below in the engine's environment. Three fixes for
-CPU burnt by busy loops (on a 2-core host the first two halved P/D TTFT), and a guard that
-ends the engine's processes with their replica.
+CPU burnt by busy loops (on a 2-core host the first two halved P/D TTFT), one for cores the
+NixlConnector takes from the model, and a guard that ends the engine's processes with their
+replica.
 
 1. NIXL's progress thread (`KVTURN_NIXL_PROGRESS_DELAY_US`). NIXL's Python agent
 creates its UCX backend with a progress-thread poll timeout of 0: the thread that
@@ -34,7 +35,17 @@ this long, then sleep until the writer's notification. Notifications can be lost
 steps; vLLM's reader would find the message only at its 5 s recheck), so a sleeping
 reader also rechecks the queue after an eighth of the time it has waited (1-50 ms).
 
-4. The engine's lifetime (`KVTURN_OWNER_PID`). vLLM runs the engine core in a child
+4. The NixlConnector's core pinning (`KVTURN_KEEP_CPU_AFFINITY`). On a CPU engine, vLLM's
+NIXL worker pins the thread that creates it to the last core of each NUMA node, meaning to
+keep transfers off the model's cores. That thread is the worker's main thread, the one that
+runs the model (the OpenMP team's first thread, the only one at one thread per engine), and
+every engine of the node picks the same core: prefill and decode computed on one core of two
+while the other served Ray and the ingress (measured on 2 cores: each worker at 50% of a core
+whenever both computed; bidir's TTFT 1.31x single's at turn 6 of the cpu profile). The
+connector now leaves the thread's cores as the app's sizing set them (`app.sizing`): all of
+the node's with `nobind`, the engine's own with `exclusive`.
+
+5. The engine's lifetime (`KVTURN_OWNER_PID`). vLLM runs the engine core in a child
 process of the replica (and, with several workers, workers below it). Signals that reach
 those processes first (SIGINT to the process group, then SIGTERM and `ray stop --force`)
 were seen to leave them running, re-parented to init and ignoring SIGTERM. In every vLLM
@@ -59,11 +70,12 @@ import threading
 import time
 
 ENV_IDLE_POLL_MS = "KVTURN_IDLE_POLL_MS"
+ENV_KEEP_CPU_AFFINITY = "KVTURN_KEEP_CPU_AFFINITY"
 ENV_NIXL_PROGRESS_DELAY_US = "KVTURN_NIXL_PROGRESS_DELAY_US"
 ENV_OWNER_PID = "KVTURN_OWNER_PID"
 ENV_WORKER_SPIN_MS = "KVTURN_WORKER_SPIN_MS"
 ENV_WORKER_INFO = "KVTURN_WORKER_INFO"
-WORKER_THREADS = "kvturn_omp_threads"
+WORKER_CPU = "kvturn_cpu_in_use"
 GUARD_POLL_S = 0.5
 QUEUE_RECHECK_MAX_MS = 50
 """The longest a step-queue reader that sleeps instead of spinning goes without rechecking."""
@@ -85,6 +97,8 @@ def register() -> None:
             patch_message_queue_spin(max(0.0, float(spin_ms)) / 1000.0)
         except ValueError:
             logger.warning("ignoring %s=%r (not a number)", ENV_WORKER_SPIN_MS, spin_ms)
+    if os.environ.get(ENV_KEEP_CPU_AFFINITY) == "1":
+        keep_cpu_affinity()
     owner = _number(ENV_OWNER_PID)
     if owner:
         guard_lifetime(int(owner))
@@ -195,6 +209,35 @@ def patch_message_queue_spin(spin_s: float, spin_condition_class: type | None = 
     spin_condition_class.wait = bounded_wait
 
 
+def keep_cpu_affinity(module=None) -> None:
+    """Make vLLM's NIXL worker (`module`: the module that defines it; default vLLM's) leave
+    the CPU affinity of the thread that creates it as it was: its calls to
+    `os.sched_setaffinity` are logged and skipped. Threads it starts inherit the same cores."""
+    if module is None:
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as module
+        except ImportError:  # no NIXL connector in this vLLM: nothing pins
+            return
+    if not isinstance(module.os, _OsKeepingAffinity):
+        module.os = _OsKeepingAffinity(module.os)
+
+
+class _OsKeepingAffinity:
+    """The `os` module as the NIXL worker sees it, without `sched_setaffinity`'s effect."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def sched_setaffinity(self, pid: int, cores) -> None:
+        logger.info(
+            "keeping CPU affinity %s of pid %d (the NIXL worker asked for cores %s)",
+            sorted(self._inner.sched_getaffinity(pid)), pid, sorted(cores),
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 def only_delayed_work(scheduler) -> bool:
     """Nothing to compute now: no request running or waiting (including requests that
     wait for remote KV), only finished ones whose blocks a connector still holds."""
@@ -287,16 +330,18 @@ def kill_tree() -> None:
 
 
 def install_worker_info(worker_class: type | None = None) -> None:
-    """Give vLLM's workers a method that reports their intra-op (OpenMP) thread count, for
-    `AsyncLLM.collective_rpc(WORKER_THREADS)`: how the servers read back the engine's
-    sizing (a function sent to the worker would need vLLM's insecure pickle fallback)."""
+    """Give vLLM's workers a method that reports their intra-op (OpenMP) thread count and
+    the cores the thread that runs the model may use, for
+    `AsyncLLM.collective_rpc(WORKER_CPU)`: how the servers read back the engine's sizing
+    (a function sent to the worker would need vLLM's insecure pickle fallback)."""
     if worker_class is None:
         from vllm.v1.worker.worker_base import WorkerBase as worker_class
 
-    setattr(worker_class, WORKER_THREADS, _omp_threads)
+    setattr(worker_class, WORKER_CPU, _cpu_in_use)
 
 
-def _omp_threads(self) -> int:
+def _cpu_in_use(self) -> dict:
     import torch
 
-    return torch.get_num_threads()
+    # RPCs run on the worker's main thread: the one that runs the model.
+    return {"threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0))}

@@ -91,7 +91,7 @@ def test_registry_drops_entries_of_dead_processes(tmp_path):
     assert registry.reserve(lambda taken: None) is None
 
 
-def test_plugin_gives_workers_a_thread_count_method():
+def test_plugin_gives_workers_a_method_that_reports_threads_and_cores():
     import torch
 
     from connector import vllm_plugin
@@ -100,7 +100,43 @@ def test_plugin_gives_workers_a_thread_count_method():
         pass
 
     vllm_plugin.install_worker_info(Worker)
-    assert getattr(Worker(), vllm_plugin.WORKER_THREADS)() == torch.get_num_threads()
+    assert getattr(Worker(), vllm_plugin.WORKER_CPU)() == {
+        "threads": torch.get_num_threads(),
+        "cores": sorted(os.sched_getaffinity(0)),
+    }
+
+
+def test_the_nixl_worker_keeps_the_cores_of_the_thread_that_creates_it():
+    import types
+
+    from connector import vllm_plugin
+
+    cores = os.sched_getaffinity(0)
+    # What vLLM's NIXL worker does on CPU: pin the creating thread to the last core.
+    module = types.SimpleNamespace(os=os)
+
+    def nixl_worker_init():
+        module.os.sched_setaffinity(0, {max(module.os.sched_getaffinity(0))})
+        return module.os.getpid()
+
+    vllm_plugin.keep_cpu_affinity(module)
+    vllm_plugin.keep_cpu_affinity(module)  # idempotent: one wrapper
+    assert isinstance(module.os, vllm_plugin._OsKeepingAffinity) and module.os._inner is os
+    try:
+        assert nixl_worker_init() == os.getpid()
+        assert os.sched_getaffinity(0) == cores
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def test_plugin_env_keeps_affinity_for_cpu_engines_with_a_connector_only(tmp_path):
+    from app.engine import plugin_env
+    from connector import vllm_plugin
+
+    cfg = AppConfig(model=str(tmp_path))
+    keep = lambda **kw: plugin_env(cfg.transfer, cfg.prefill, **kw)[vllm_plugin.ENV_KEEP_CPU_AFFINITY]  # noqa: E731
+    assert keep(transfer=True, cpu=True) == "1"
+    assert keep(transfer=False, cpu=True) is None and keep(transfer=True, cpu=False) is None
 
 
 def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
