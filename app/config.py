@@ -109,7 +109,7 @@ class TransferConfig(_Strict):
         ),
     )
     decode_local_busy_tokens: int = Field(
-        0,
+        2048,
         ge=0,
         description=(
             "bidir: while prefill legs are in flight, a turn with at most this many tokens to compute "
@@ -117,9 +117,7 @@ class TransferConfig(_Strict):
             "the prefill legs ahead plus its own tokens take longer, at the paces this ingress "
             "measured, than what that replica is computing alone plus its own. Spreads a burst of "
             "turns over both engines instead of queueing them on prefill; the new tokens share "
-            "decode's steps with the answers it streams, so it pays only where decode has cores to "
-            "spare (off by default: on two shared cores it slowed the cpu profile, README). "
-            "0: only `decode_local_tokens` applies."
+            "decode's steps with the answers it streams. 0: only `decode_local_tokens` applies."
         ),
     )
     idle_poll_ms: float = Field(

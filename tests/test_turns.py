@@ -1107,19 +1107,8 @@ async def two_sessions_then_a_burst(rig: Rig) -> tuple[TurnResult, TurnResult, l
     return r1, r2, ids2
 
 
-BUSY = {"transfer.decode_local_busy_tokens": 2048}
-
-
-async def test_busy_routing_is_off_by_default(model_dir):
-    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
-    assert rig.cfg.transfer.decode_local_busy_tokens == 0
-    r1, r2, _ = await two_sessions_then_a_burst(rig)
-    assert len(rig.engines.prefill_requests) == 4 and rig.turns.counts["decode_local_busy"] == 0
-    assert r1.reused_from_decode > 0 and r2.reused_from_decode > 0
-
-
 async def test_a_turn_that_would_queue_behind_prefill_is_computed_by_its_decode_replica(model_dir):
-    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024, **BUSY)
+    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
     assert rig.cfg.transfer.decode_local_tokens == 0 and rig.cfg.transfer.decode_local_busy_tokens >= len(enc(TOOL_RESULT))
     r1, r2, ids2 = await two_sessions_then_a_burst(rig)
     # s1 went through prefill, which pulled its history; s2 went to its decode replica.
@@ -1147,7 +1136,7 @@ async def test_a_burst_stays_on_prefill_past_the_busy_limit(model_dir):
 
 
 async def test_a_burst_stays_on_prefill_when_decode_would_answer_later(model_dir):
-    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024, **BUSY)
+    rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
     # The decode replicas have been measured computing alone far slower than prefill.
     for replica in rig.engines.decode_replicas:
         rig.turns.local_pace[replica] = LegPace()
