@@ -289,7 +289,7 @@ def plugin_env(transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer
     if cpu:
         env[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `VLLMEngine.cpu_in_use` ask the worker
         env[vllm_plugin.ENV_WORKER_SPIN_MS] = None if role.cpu_spin_ms is None else str(role.cpu_spin_ms)
-    env[vllm_plugin.ENV_KEEP_CPU_AFFINITY] = "1" if transfer and cpu else None
+        env[vllm_plugin.ENV_KEEP_CPU_AFFINITY] = "1" if transfer else None
     return env
 
 

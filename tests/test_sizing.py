@@ -129,16 +129,6 @@ def test_the_nixl_worker_keeps_the_cores_of_the_thread_that_creates_it():
         os.sched_setaffinity(0, cores)
 
 
-def test_plugin_env_keeps_affinity_for_cpu_engines_with_a_connector_only(tmp_path):
-    from app.engine import plugin_env
-    from connector import vllm_plugin
-
-    cfg = AppConfig(model=str(tmp_path))
-    keep = lambda **kw: plugin_env(cfg.transfer, cfg.prefill, **kw)[vllm_plugin.ENV_KEEP_CPU_AFFINITY]  # noqa: E731
-    assert keep(transfer=True, cpu=True) == "1"
-    assert keep(transfer=False, cpu=True) is None and keep(transfer=True, cpu=False) is None
-
-
 def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
     from app.engine import engine_dtype
 

@@ -430,12 +430,14 @@ def test_plugin_env_per_engine_kind():
         release.ENV_RELEASE: "1",
         vllm_plugin.ENV_WORKER_INFO: "1",
         vllm_plugin.ENV_WORKER_SPIN_MS: str(role.cpu_spin_ms),
+        vllm_plugin.ENV_KEEP_CPU_AFFINITY: "1",
     }
     assert role.cpu_spin_ms == 0.0  # CPU engines sleep on their step queues by default
     gpu_single = plugin_env(TransferConfig(), role, transfer=False, cpu=False)
     assert gpu_single == {}
     vllm_spin = plugin_env(TransferConfig(), EngineRoleConfig(cpu_spin_ms=None), transfer=False, cpu=True)
     assert vllm_spin[vllm_plugin.ENV_WORKER_SPIN_MS] is None  # vLLM's own second: unset
+    assert vllm_spin[vllm_plugin.ENV_KEEP_CPU_AFFINITY] is None  # no connector: nothing pins
     os.environ[vllm_plugin.ENV_WORKER_SPIN_MS] = "3"
     try:
         apply_env(vllm_spin)
