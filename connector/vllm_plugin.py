@@ -3,7 +3,8 @@
 by our servers, which set the variables below in the engine's environment. Three fixes for
 CPU burnt by busy loops (on a 2-core host the first two halved P/D TTFT), one for cores the
 NixlConnector takes from the model, and a guard that ends the engine's processes with their
-replica.
+replica. The fixes replace private vLLM and NIXL code: each checks what it replaces before
+patching, and on a vLLM where that changed it is skipped with a warning (`register`).
 
 1. NIXL's progress thread (`KVTURN_NIXL_PROGRESS_DELAY_US`). NIXL's Python agent
 creates its UCX backend with a progress-thread poll timeout of 0: the thread that
@@ -83,31 +84,82 @@ QUEUE_RECHECK_MAX_MS = 50
 logger = logging.getLogger(__name__)
 
 
+SUPPORTED_VLLM = "0.32."
+"""The vLLM series whose private code the patches below were written against. Each patch
+checks the attributes it replaces or calls before it patches: on another vLLM one whose
+target changed is skipped with a warning (`Unsupported`), and the engine runs without it."""
+
+
+class Unsupported(RuntimeError):
+    """The installed vLLM or NIXL lacks what a patch replaces or calls."""
+
+
 def register() -> None:
     """Entry point. Safe to call many times and in any vLLM process."""
     interval_ms = _number(ENV_IDLE_POLL_MS)
     if interval_ms:
-        patch_engine_core(interval_ms / 1000.0)
+        _apply("the idle engine's wait", patch_engine_core, interval_ms / 1000.0)
     delay_us = _number(ENV_NIXL_PROGRESS_DELAY_US)
     if delay_us:
-        patch_nixl_progress_delay(int(delay_us))
+        _apply("NIXL's progress-thread delay", patch_nixl_progress_delay, int(delay_us))
     spin_ms = os.environ.get(ENV_WORKER_SPIN_MS)
     if spin_ms:
         try:
-            patch_message_queue_spin(max(0.0, float(spin_ms)) / 1000.0)
+            spin_s = max(0.0, float(spin_ms)) / 1000.0
         except ValueError:
             logger.warning("ignoring %s=%r (not a number)", ENV_WORKER_SPIN_MS, spin_ms)
+        else:
+            _apply("the step queues' bounded spin", patch_message_queue_spin, spin_s)
     if os.environ.get(ENV_KEEP_CPU_AFFINITY) == "1":
-        keep_cpu_affinity()
+        _apply("the model thread's cores", keep_cpu_affinity)
     owner = _number(ENV_OWNER_PID)
     if owner:
         guard_lifetime(int(owner))
     if os.environ.get(ENV_WORKER_INFO) == "1":
-        install_worker_info()
+        _apply("the workers' CPU report", install_worker_info)
     # Early release of decode-pinned blocks and block counts (connector.release).
     from connector import release
 
     release.register()
+
+
+def _apply(what: str, patch, *args) -> bool:
+    """Run one patch; on `Unsupported`, log what is skipped and why, and go on."""
+    try:
+        patch(*args)
+    except Unsupported as e:
+        logger.warning("kvturn: %s is off in this engine: %s (vLLM %s; written for %sx)", what, e, vllm_version(), SUPPORTED_VLLM)
+        return False
+    return True
+
+
+def vllm_version() -> str:
+    try:
+        from vllm import __version__
+    except ImportError:
+        return "not installed"
+    return __version__
+
+
+def require(obj, *names: str) -> None:
+    """Raise `Unsupported` naming the first of `names` that `obj` lacks."""
+    for name in names:
+        if not hasattr(obj, name):
+            raise Unsupported(f"{getattr(obj, '__name__', type(obj).__name__)} has no {name!r}")
+
+
+def require_set_in_init(cls: type, *names: str) -> None:
+    """Raise `Unsupported` unless `cls.__init__` sets each of the instance attributes
+    `names` (read from its source; a class without Python source is taken as it is)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return
+    for name in names:
+        if f"self.{name}" not in source:
+            raise Unsupported(f"{cls.__name__}.__init__ no longer sets {name!r}")
 
 
 def _number(name: str) -> float | None:
@@ -131,10 +183,12 @@ def patch_nixl_progress_delay(delay_us: int, api=None) -> None:
             from nixl import _api as api
         except ImportError:  # no NIXL here: nothing to patch
             return
+    require(api, "nixlBind")
     bind = api.nixlBind
     if isinstance(bind, _Bindings):
         bind.delay_us = delay_us
         return
+    require(bind, "nixlAgentConfig")
     api.nixlBind = _Bindings(bind, delay_us)
 
 
@@ -164,6 +218,7 @@ def patch_engine_core(interval_s: float, engine_core_class: type | None = None) 
     if engine_core_class is None:
         from vllm.v1.engine.core import EngineCoreProc as engine_core_class
 
+    require(engine_core_class, "_process_engine_step", "_handle_client_request")
     step = engine_core_class._process_engine_step
     if getattr(step, "_kvturn_idle_poll", None) is not None:
         step._kvturn_idle_poll = interval_s
@@ -187,6 +242,8 @@ def patch_message_queue_spin(spin_s: float, spin_condition_class: type | None = 
     if spin_condition_class is None:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition as spin_condition_class
 
+    require(spin_condition_class, "wait")
+    require_set_in_init(spin_condition_class, "busy_loop_s", "last_read")
     wait = spin_condition_class.wait
     if getattr(wait, "_kvturn_spin_s", None) is not None:
         wait._kvturn_spin_s = spin_s
@@ -216,8 +273,9 @@ def keep_cpu_affinity(module=None) -> None:
     if module is None:
         try:
             from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as module
-        except ImportError:  # no NIXL connector in this vLLM: nothing pins
-            return
+        except ImportError as e:
+            raise Unsupported(f"no NIXL worker module ({e})") from e
+    require(module, "os")
     if not isinstance(module.os, _OsKeepingAffinity):
         module.os = _OsKeepingAffinity(module.os)
 

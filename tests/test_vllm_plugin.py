@@ -116,6 +116,48 @@ def test_register_patches_the_engine_core_when_enabled():
     assert out.stdout.strip().splitlines()[-1] == "0.025"
 
 
+# -- patches check what they replace ----------------------------------------------------------
+
+
+def test_the_installed_vllm_has_what_every_patch_replaces():
+    from vllm import __version__
+
+    assert __version__.startswith(vllm_plugin.SUPPORTED_VLLM)
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    from vllm.v1.engine.core import EngineCoreProc
+
+    vllm_plugin.require(EngineCoreProc, "_process_engine_step", "_handle_client_request")
+    vllm_plugin.require(SpinCondition, "wait")
+    vllm_plugin.require_set_in_init(SpinCondition, "busy_loop_s", "last_read")
+    vllm_plugin.require(base_worker, "os")
+    # The NIXL worker still pins the thread that creates it: the affinity patch is needed.
+    assert "sched_setaffinity" in __import__("inspect").getsource(base_worker.NixlBaseConnectorWorker.__init__)
+
+
+def test_a_patch_whose_target_changed_is_skipped_with_a_warning(caplog):
+    class OlderCore:  # a vLLM whose engine core has no such step hook
+        def _handle_client_request(self, *request):
+            pass
+
+    class OlderCondition:
+        def __init__(self):
+            self.spin_s = 1.0  # renamed: the patch would read a missing attribute
+
+        def wait(self, timeout_ms=None):
+            pass
+
+    with pytest.raises(vllm_plugin.Unsupported, match="_process_engine_step"):
+        vllm_plugin.patch_engine_core(0.02, OlderCore)
+    with pytest.raises(vllm_plugin.Unsupported, match="busy_loop_s"):
+        vllm_plugin.patch_message_queue_spin(0.0, OlderCondition)
+    assert OlderCondition.wait.__name__ == "wait"  # left as it was
+    with caplog.at_level("WARNING", logger=vllm_plugin.__name__):
+        assert not vllm_plugin._apply("the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore)
+    assert "the idle engine's wait is off in this engine" in caplog.text and "_process_engine_step" in caplog.text
+    assert not hasattr(OlderCore, "_process_engine_step")
+
+
 # -- NIXL's progress thread ------------------------------------------------------------------
 
 
