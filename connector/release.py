@@ -16,9 +16,10 @@ vLLM process, only when the engine was started with `ENV_RELEASE=1` by our serve
 * `EngineCore.kvturn_kv_blocks()`: a utility call of the engine core (the scheduler's
   process); returns `block_counts` of its block pool.
 
-Both depend on private vLLM 0.32 internals. `support_problem()` checks them, and
-`register()` installs nothing (with a warning) when they are missing, so a caller gets a
-clear "method not implemented" instead of a wrong release.
+Both depend on private vLLM 0.32 internals. `check_support()` checks them, and
+`register()` installs nothing (with the plugin's warning for a patch whose target changed,
+`connector.vllm_plugin.Unsupported`) when they are missing, so a caller gets a clear
+"method not implemented" instead of a wrong release.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any, Iterable
+
+from connector.vllm_plugin import Unsupported, apply_patch, require
 
 ENV_RELEASE = "KVTURN_RELEASE"
 WORKER_EXPIRE = "kvturn_expire_sends"
@@ -38,10 +41,11 @@ def register() -> None:
     """Install the two methods in this process when our servers asked for them."""
     if os.environ.get(ENV_RELEASE) != "1":
         return
-    problem = support_problem()
-    if problem:
-        logger.warning("kvturn early release disabled: %s", problem)
-        return
+    apply_patch("early release", _install_in_vllm)
+
+
+def _install_in_vllm() -> None:
+    check_support()
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -53,24 +57,19 @@ def install(worker_class: type, engine_core_class: type) -> None:
     setattr(engine_core_class, CORE_BLOCKS, _engine_core_kv_blocks)
 
 
-def support_problem() -> str | None:
-    """What the installed vLLM lacks for early release, or None when it has it all."""
+def check_support() -> None:
+    """Raise `Unsupported` naming what the installed vLLM lacks for early release."""
     try:
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError as exc:
-        return f"vLLM module missing: {exc}"
-    needs = [
-        (kv_transfer_state, "get_kv_transfer_group"),
-        (kv_transfer_state, "has_kv_transfer_group"),
-        (NixlBaseConnectorWorker, "_reap_expired_send_leases"),
-        (BlockPool, "get_num_free_blocks"),
-        (Scheduler, "_update_from_kv_xfer_finished"),
-    ]
-    missing = [f"{owner.__name__}.{name}" for owner, name in needs if not hasattr(owner, name)]
-    return f"vLLM lacks {', '.join(missing)}" if missing else None
+        raise Unsupported(f"vLLM module missing: {exc}") from exc
+    require(kv_transfer_state, "get_kv_transfer_group", "has_kv_transfer_group")
+    require(NixlBaseConnectorWorker, "_reap_expired_send_leases")
+    require(BlockPool, "get_num_free_blocks")
+    require(Scheduler, "_update_from_kv_xfer_finished")
 
 
 # -- worker side ----------------------------------------------------------------------

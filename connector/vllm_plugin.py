@@ -98,10 +98,10 @@ def register() -> None:
     """Entry point. Safe to call many times and in any vLLM process."""
     interval_ms = _number(ENV_IDLE_POLL_MS)
     if interval_ms:
-        _apply("the idle engine's wait", patch_engine_core, interval_ms / 1000.0)
+        apply_patch("the idle engine's wait", patch_engine_core, interval_ms / 1000.0)
     delay_us = _number(ENV_NIXL_PROGRESS_DELAY_US)
     if delay_us:
-        _apply("NIXL's progress-thread delay", patch_nixl_progress_delay, int(delay_us))
+        apply_patch("NIXL's progress-thread delay", patch_nixl_progress_delay, int(delay_us))
     spin_ms = os.environ.get(ENV_WORKER_SPIN_MS)
     if spin_ms:
         try:
@@ -109,22 +109,23 @@ def register() -> None:
         except ValueError:
             logger.warning("ignoring %s=%r (not a number)", ENV_WORKER_SPIN_MS, spin_ms)
         else:
-            _apply("the step queues' bounded spin", patch_message_queue_spin, spin_s)
+            apply_patch("the step queues' bounded spin", patch_message_queue_spin, spin_s)
     if os.environ.get(ENV_KEEP_CPU_AFFINITY) == "1":
-        _apply("the model thread's cores", keep_cpu_affinity)
+        apply_patch("the model thread's cores", keep_cpu_affinity)
     owner = _number(ENV_OWNER_PID)
     if owner:
         guard_lifetime(int(owner))
     if os.environ.get(ENV_WORKER_INFO) == "1":
-        _apply("the workers' CPU report", install_worker_info)
+        apply_patch("the workers' CPU report", install_worker_info)
     # Early release of decode-pinned blocks and block counts (connector.release).
     from connector import release
 
     release.register()
 
 
-def _apply(what: str, patch, *args) -> bool:
-    """Run one patch; on `Unsupported`, log what is skipped and why, and go on."""
+def apply_patch(what: str, patch, *args) -> bool:
+    """Run one patch (here and in `connector.release`); on `Unsupported`, log what is
+    skipped and why, and go on."""
     try:
         patch(*args)
     except Unsupported as e:
@@ -142,10 +143,10 @@ def vllm_version() -> str:
 
 
 def require(obj, *names: str) -> None:
-    """Raise `Unsupported` naming the first of `names` that `obj` lacks."""
-    for name in names:
-        if not hasattr(obj, name):
-            raise Unsupported(f"{getattr(obj, '__name__', type(obj).__name__)} has no {name!r}")
+    """Raise `Unsupported` naming those of `names` that `obj` lacks."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise Unsupported(f"{getattr(obj, '__name__', type(obj).__name__)} has no {', '.join(map(repr, missing))}")
 
 
 def require_set_in_init(cls: type, *names: str) -> None:

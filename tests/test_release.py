@@ -24,7 +24,7 @@ from connector.store import Conversation, TurnOutcome
 
 
 def test_installed_vllm_has_what_release_needs():
-    assert release.support_problem() is None
+    release.check_support()  # raises Unsupported naming what is missing
 
 
 def _real_nixl_worker(pins: dict[str, float]):

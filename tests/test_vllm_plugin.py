@@ -153,7 +153,7 @@ def test_a_patch_whose_target_changed_is_skipped_with_a_warning(caplog):
         vllm_plugin.patch_message_queue_spin(0.0, OlderCondition)
     assert OlderCondition.wait.__name__ == "wait"  # left as it was
     with caplog.at_level("WARNING", logger=vllm_plugin.__name__):
-        assert not vllm_plugin._apply("the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore)
+        assert not vllm_plugin.apply_patch("the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore)
     assert "the idle engine's wait is off in this engine" in caplog.text and "_process_engine_step" in caplog.text
     assert not hasattr(OlderCore, "_process_engine_step")
 
