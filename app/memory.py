@@ -5,9 +5,14 @@ until the next turn's prefill pulls it. The handle store decides which pins are 
 keeping (LRU, within `sessions.pinned_fraction` of each engine's blocks); this module
 connects its decisions to the engines:
 
-* capacity: the first time a turn leaves a handle on a decode engine the store does not
+* capacity: the first time a turn leaves a handle on a decode engine this ingress does not
   know, its replica is asked for its block count (`DecodeServer.kv_blocks`, read from the
-  engine's own block pool) and the store is told (`set_engine_capacity`).
+  engine's own block pool). Every turn stored then carries its engine's block count, so
+  a store shard that restarted (empty) learns the budget again from the next turn on each
+  engine, with no call of its own. Every `CAPACITY_SYNC_S` the ticker also asks the live
+  decode replicas it has not met (a replacement that has served no turn yet) and tells
+  the store every live engine's count: a restarted store has every budget back within
+  that time even for engines no turn touched.
 * releases: every handle the store lets go unread (evicted, superseded, expired, dropped,
   unused or failed, session ended) lands in its releases outbox; `flush` takes them
   (`take_releases`) and asks each decode replica to free those blocks now
@@ -43,6 +48,14 @@ class DecodeMemoryClients(Protocol):
 
     def decode_alive(self, replica_id: str) -> bool | None: ...
 
+    def decode_replicas(self) -> frozenset[str] | None:
+        """Running decode replicas as the router last saw them (None: not known yet)."""
+        ...
+
+
+CAPACITY_SYNC_S = 10.0
+"""How often an ingress replica tells the store the block count of every live decode engine."""
+
 
 class MemoryStore(Protocol):
     """The store's decode-memory hooks (`connector.store.HandleStore`)."""
@@ -63,7 +76,10 @@ class DecodeMemory:
         self._clients = clients
         self._store = store
         self.counts = counts
-        self._known: set[str] = set()
+        self._blocks: dict[str, int] = {}
+        """Block count of each decode engine this ingress learned (engine id -> blocks)."""
+        self._engine_of: dict[str, str] = {}
+        """Decode replica -> the engine it runs (learned with its block count)."""
         self._tasks: set[asyncio.Task] = set()
         self._flush_lock: asyncio.Lock | None = None
         self._ticker: asyncio.Task | None = None
@@ -73,26 +89,57 @@ class DecodeMemory:
         """Bidir mode, with a store that has the decode-memory hooks."""
         return self._cfg.reuses_kv and hasattr(self._store, "take_releases")
 
-    async def learn_capacity(self, conversation: Conversation | None) -> None:
-        """Before a new turn is stored: make sure the store knows the block count of the
-        engine its handle pins blocks on (one call per engine and ingress replica)."""
+    async def capacity_of(self, conversation: Conversation | None) -> int | None:
+        """Before a new turn is stored: the block count of the engine its handle pins
+        blocks on, asked of its replica the first time (one call per engine and ingress
+        replica). None when there is nothing to pin or the engine cannot tell."""
         if not self.enabled or conversation is None or conversation.handle is None:
-            return
+            return None
         engine_id = conversation.handle.engine_id
-        if engine_id in self._known or conversation.decode_replica is None:
-            return
+        known = self._blocks.get(engine_id)
+        if known is not None or conversation.decode_replica is None:
+            return known
         if not hasattr(self._clients, "decode_kv_blocks"):
-            return
+            return None
         try:
             blocks = await self._clients.decode_kv_blocks(conversation.decode_replica)
-            if not blocks or blocks.get("engine_id") != engine_id:
-                self.counts["capacity_unknown"] += 1
-                return
-            await self._store.set_engine_capacity(engine_id, int(blocks["total"]))
-            self._known.add(engine_id)
         except Exception:
             logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
             self.counts["capacity_unknown"] += 1
+            return None
+        if not blocks or blocks.get("engine_id") != engine_id:
+            self.counts["capacity_unknown"] += 1
+            return None
+        self._blocks[engine_id] = int(blocks["total"])
+        self._engine_of[conversation.decode_replica] = engine_id
+        return self._blocks[engine_id]
+
+    async def sync_capacities(self) -> int:
+        """Learn the block count of live decode replicas not met yet, and tell the store
+        the count of every live engine (idempotent). Returns the engines told."""
+        replicas = getattr(self._clients, "decode_replicas", lambda: None)()
+        if not self.enabled or replicas is None or not hasattr(self._clients, "decode_kv_blocks"):
+            return 0
+        for gone in set(self._engine_of) - set(replicas):
+            self._blocks.pop(self._engine_of.pop(gone), None)
+        for replica in sorted(set(replicas) - set(self._engine_of)):
+            try:
+                blocks = await self._clients.decode_kv_blocks(replica)
+            except Exception as exc:
+                logger.warning("could not read the KV blocks of decode replica %s: %r", replica, exc)
+                continue
+            if blocks and blocks.get("replica_id", replica) == replica and blocks.get("engine_id"):
+                self._engine_of[replica] = blocks["engine_id"]
+                self._blocks[blocks["engine_id"]] = int(blocks["total"])
+        told = 0
+        for engine_id in {self._engine_of[r] for r in replicas if r in self._engine_of}:
+            try:
+                await self._store.set_engine_capacity(engine_id, self._blocks[engine_id])
+                told += 1
+            except Exception as exc:
+                logger.warning("could not tell the store the capacity of %s: %r", engine_id, exc)
+                self.counts["capacity_sync_error"] += 1
+        return told
 
     def release_soon(self) -> None:
         """Flush the store's releases in the background (after a store update)."""
@@ -143,6 +190,11 @@ class DecodeMemory:
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        synced = loop.time()
         while True:
             await asyncio.sleep(self._cfg.sessions.release_interval_s)
             await self.flush()
+            if loop.time() - synced >= CAPACITY_SYNC_S:
+                synced = loop.time()
+                await self.sync_capacities()

@@ -5,6 +5,8 @@ Runs inside the ingress process (Serve builds one router per deployment handle).
 that names a `preferred_replica` (the replica that served the session's previous turn)
 goes there while that replica lives and accepts work; otherwise, and for requests without
 a preference, Serve's power of two choices: two random replicas, the less loaded first.
+A retried request names the replicas that failed it (`avoid_replicas`): they are left out
+while another replica runs.
 
 Liveness: Serve tells each router which replicas are running (`update_replicas`, from the
 controller's long poll) and which died (`on_replica_actor_died`, when a call to one fails
@@ -43,6 +45,10 @@ class Liveness:
         live = self._live.get((app, deployment))
         return None if live is None else replica_id in live
 
+    def running(self, app: str, deployment: str) -> frozenset[str] | None:
+        """The running replicas; None while no router here has heard from Serve."""
+        return self._live.get((app, deployment))
+
 
 LIVENESS = Liveness()
 
@@ -58,11 +64,20 @@ class LiveReplicas:
     def alive(self, replica_id: str) -> bool | None:
         return self.liveness.alive(self.app, self.deployment, replica_id)
 
+    def running(self) -> frozenset[str] | None:
+        return self.liveness.running(self.app, self.deployment)
+
 
 def _preferred(pending: Optional[PendingRequest]) -> str | None:
     if pending is None or not pending.args:
         return None
     return getattr(pending.args[0], "preferred_replica", None)
+
+
+def _avoided(pending: Optional[PendingRequest]) -> tuple[str, ...]:
+    if pending is None or not pending.args:
+        return ()
+    return tuple(getattr(pending.args[0], "avoid_replicas", ()) or ())
 
 
 def _ids(replicas) -> frozenset[str]:
@@ -87,6 +102,10 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
+        avoid = _avoided(pending_request)
+        if avoid:
+            # A retry: replicas that failed this turn only if no other is left.
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
         wanted = _preferred(pending_request)
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != wanted]

@@ -64,12 +64,19 @@ class StoreSettings:
     pinned_fraction: float = 0.5
     shards: int = 1
     max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """(tenant namespace, weight) of tenants whose share of pinned KV is not 1."""
+    tenant_max_sessions: tuple[tuple[str, int], ...] = ()
+    """(tenant namespace, conversations kept for it across all shards)."""
 
     def store_kwargs(self) -> dict[str, Any]:
-        """One shard's `HandleStore` arguments: the byte bound is split among the shards."""
+        """One shard's `HandleStore` arguments: the byte bound and the tenants' session
+        limits are split among the shards (sessions hash evenly over them)."""
         kwargs = dataclasses.asdict(self)
         kwargs.pop("shards")
         kwargs["max_store_bytes"] = max(1, self.max_store_bytes // self.shards)
+        kwargs["tenant_weights"] = dict(self.tenant_weights)
+        kwargs["tenant_max_sessions"] = {t: max(1, -(-n // self.shards)) for t, n in self.tenant_max_sessions}
         return kwargs
 
 
@@ -261,13 +268,20 @@ class StoreClient:
             claim = dataclasses.replace(claim, conversation=held)
         return claim
 
-    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+    async def end_turn(
+        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks: int | None = None
+    ) -> None:
+        """Settle the claim and store the turn. `engine_blocks`: the block count of the
+        engine the new turn's handle pins on, if known; the shard takes its part of it
+        as that engine's budget when it has none (it restarted, or never heard of it)."""
         self._recent.pop(claim.session_id, None)
         # A turn that extends the conversation it claimed travels as its tail.
         sent = conversation
         if conversation is not None and claim.conversation is not None:
             sent = ConversationTail.of(conversation, claim.conversation) or conversation
-        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, sent)
+        actors = await self._shards()
+        share = max(1, engine_blocks // len(actors)) if engine_blocks else None
+        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, sent, share)
         if conversation is not None and conversation.handle is not None:
             self._recent[claim.session_id] = conversation
             while len(self._recent) > self.RECENT:

@@ -8,13 +8,23 @@ expired ones as finished sending; the scheduler then frees their blocks. So a re
 an expiry moved to now: the next engine step frees the blocks through vLLM's own path
 (the engine logs it as "Releasing expired KV blocks for request ...").
 
-Two methods are installed by `register()` (called from the project's vLLM plugin, in every
-vLLM process, only when the engine was started with `ENV_RELEASE=1` by our servers):
+The worker only tracks (and so only expires, releases, or frees on a reader's
+notification) pins of requests the scheduler put "in batch" when it allocated them, and
+vLLM 0.32 does that for requests that read remote KV or keep theirs for a decode engine,
+not for a decode request that computes its prompt itself (`local_decode_params`: a
+decode-local turn, or a turn whose prefill leg was skipped). Those blocks were pinned for
+good: no TTL, no early release, a prefill engine's read notification ignored as
+"unrecognized". `track_local_decode_pins` puts them in batch like the others.
+
+Installed by `register()` (called from the project's vLLM plugin, in every vLLM process,
+only when the engine was started with `ENV_RELEASE=1` by our servers):
 
 * `WorkerBase.kvturn_expire_sends(request_ids)`: run in each worker by
   `AsyncLLM.collective_rpc(WORKER_EXPIRE, args=(ids,))`; returns the ids it released.
 * `EngineCore.kvturn_kv_blocks()`: a utility call of the engine core (the scheduler's
   process); returns `block_counts` of its block pool.
+* the NixlConnector scheduler's `update_state_after_alloc`, wrapped by
+  `track_local_decode_pins`.
 
 Both depend on private vLLM 0.32 internals. `check_support()` checks them, and
 `register()` installs nothing (with the plugin's warning for a patch whose target changed,
@@ -28,7 +38,7 @@ import logging
 import os
 from typing import Any, Iterable
 
-from connector.vllm_plugin import Unsupported, apply_patch, require
+from connector.vllm_plugin import Unsupported, apply_patch, require, require_set_in_init
 
 ENV_RELEASE = "KVTURN_RELEASE"
 WORKER_EXPIRE = "kvturn_expire_sends"
@@ -42,6 +52,7 @@ def register() -> None:
     if os.environ.get(ENV_RELEASE) != "1":
         return
     apply_patch("early release", _install_in_vllm)
+    apply_patch("the pins of decode-local turns", track_local_decode_pins)
 
 
 def _install_in_vllm() -> None:
@@ -70,6 +81,39 @@ def check_support() -> None:
     require(NixlBaseConnectorWorker, "_reap_expired_send_leases")
     require(BlockPool, "get_num_free_blocks")
     require(Scheduler, "_update_from_kv_xfer_finished")
+
+
+# -- scheduler side -------------------------------------------------------------------
+
+
+def track_local_decode_pins(scheduler_class: type | None = None) -> None:
+    """Make the NixlConnector scheduler (`scheduler_class`, default vLLM's pull scheduler)
+    put a bidirectional decode request whose params name no transfer in the batch its
+    worker tracks, as vLLM does for requests that read remote KV: once it finishes, its
+    pinned blocks get the decoder TTL, can be released early, and are freed when a
+    prefill engine's read of them is done."""
+    if scheduler_class is None:
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+                NixlPullConnectorScheduler as scheduler_class,
+            )
+        except ImportError as exc:
+            raise Unsupported(f"no NIXL pull scheduler ({exc})") from exc
+    require(scheduler_class, "update_state_after_alloc", "request_finished")
+    require_set_in_init(scheduler_class, "_reqs_in_batch", "is_bidirectional_kv_xfer_enabled")
+    original = scheduler_class.update_state_after_alloc
+    if getattr(original, "_kvturn_tracks_local", False):
+        return
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = request.kv_transfer_params
+        local = bool(params) and not params.get("do_remote_decode") and not params.get("do_remote_prefill")
+        original(self, request, blocks, num_external_tokens)
+        if local and self.is_bidirectional_kv_xfer_enabled:
+            self._reqs_in_batch.add(request.request_id)
+
+    update_state_after_alloc._kvturn_tracks_local = True
+    scheduler_class.update_state_after_alloc = update_state_after_alloc
 
 
 # -- worker side ----------------------------------------------------------------------

@@ -150,12 +150,13 @@ def require(obj, *names: str) -> None:
 
 
 def require_set_in_init(cls: type, *names: str) -> None:
-    """Raise `Unsupported` unless `cls.__init__` sets each of the instance attributes
-    `names` (read from its source; a class without Python source is taken as it is)."""
+    """Raise `Unsupported` unless the `__init__` of `cls` or of one of its bases sets each
+    of the instance attributes `names` (read from their source; a class without Python
+    source is taken as it is)."""
     import inspect
 
     try:
-        source = inspect.getsource(cls.__init__)
+        source = "".join(inspect.getsource(k.__dict__["__init__"]) for k in cls.__mro__ if "__init__" in k.__dict__ and k is not object)
     except (OSError, TypeError):
         return
     for name in names:

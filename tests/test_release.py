@@ -27,6 +27,62 @@ def test_installed_vllm_has_what_release_needs():
     release.check_support()  # raises Unsupported naming what is missing
 
 
+def _real_pull_scheduler(bidirectional: bool = True):
+    """A subclass of the installed vLLM's NixlConnector pull scheduler, patched by
+    `track_local_decode_pins`, with only the state `update_state_after_alloc` reads."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    class Scheduler(NixlPullConnectorScheduler):
+        pass
+
+    release.track_local_decode_pins(Scheduler)
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.is_bidirectional_kv_xfer_enabled = bidirectional
+    scheduler.use_host_buffer = False
+    scheduler._reqs_in_batch = set()
+    scheduler._reqs_need_recv = {}
+    scheduler._reqs_need_save = {}
+    return scheduler
+
+
+@pytest.mark.parametrize(
+    "params, tracked",
+    [
+        ({"do_remote_prefill": False, "do_remote_decode": False}, True),  # local_decode_params()
+        ({"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": None}, True),  # vLLM's own
+        (None, False),  # no connector params: blocks are freed at once, nothing to track
+        ({}, False),
+    ],
+)
+def test_decode_request_that_computes_its_prompt_is_tracked_like_a_reader(params, tracked):
+    """Without the patch vLLM 0.32 leaves a decode-local request out of the batch its
+    worker tracks, and its pinned blocks never expire (seen on a soak: 1,511 blocks past
+    the TTL on an idle engine)."""
+    scheduler = _real_pull_scheduler()
+    request = SimpleNamespace(request_id="r1", kv_transfer_params=params)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ()), 0)
+    assert ("r1" in scheduler._reqs_in_batch) is tracked
+
+
+def test_local_decode_requests_not_tracked_without_bidirectional_transfer():
+    scheduler = _real_pull_scheduler(bidirectional=False)
+    request = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_prefill": False, "do_remote_decode": False})
+    scheduler.update_state_after_alloc(request, None, 0)
+    assert scheduler._reqs_in_batch == set()
+
+
+def test_tracking_patch_wraps_once():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    class Scheduler(NixlPullConnectorScheduler):
+        pass
+
+    release.track_local_decode_pins(Scheduler)
+    first = Scheduler.update_state_after_alloc
+    release.track_local_decode_pins(Scheduler)
+    assert Scheduler.update_state_after_alloc is first
+
+
 def _real_nixl_worker(pins: dict[str, float]):
     """A NixlConnector worker of the installed vLLM with only the state its send-lease
     reaping reads (no NIXL agent, no engine)."""
@@ -117,10 +173,6 @@ class FakeRelease:
 class FakeMemoryStore:
     def __init__(self):
         self.outbox: list[FakeRelease] = []
-        self.capacity: dict[str, int] = {}
-
-    async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
-        self.capacity[engine_id] = total_blocks
 
     async def take_releases(self) -> list[FakeRelease]:
         out, self.outbox = self.outbox, []
@@ -148,10 +200,27 @@ class FakeDecodeReplicas:
     def decode_alive(self, replica_id: str) -> bool | None:
         return replica_id not in self.dead
 
+    def decode_replicas(self) -> frozenset[str] | None:
+        return frozenset(self.pinned) - self.dead
+
+
+class CapacityStore(FakeMemoryStore):
+    def __init__(self):
+        super().__init__()
+        self.capacity: dict[str, int] = {}
+
+    async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
+        self.capacity[engine_id] = total_blocks
+
 
 def conversation(replica: str, engine: str) -> Conversation:
     handle = KVHandle(Location.DECODE, engine, "req", ((1, 2),), "127.0.0.1", 5600, 40)
     return Conversation("s", (1, 2, 3), 2, handle=handle, decode_replica=replica)
+
+
+def conversation_on(engine: str, session: str, request_id: str) -> Conversation:
+    handle = KVHandle(Location.DECODE, engine, request_id, ((1, 2),), "127.0.0.1", 5600, 40)
+    return Conversation(session, (1, 2, 3), 2, handle=handle, decode_replica="d0")
 
 
 async def test_releases_go_to_their_replicas_grouped():
@@ -174,17 +243,53 @@ async def test_releases_go_to_their_replicas_grouped():
     assert await memory.flush() == 0 and len(replicas.calls) == 2
 
 
-async def test_capacity_learned_once_per_engine():
+async def test_capacity_asked_once_per_engine_and_given_with_every_turn():
     store = FakeMemoryStore()
     replicas = FakeDecodeReplicas({})
     memory = DecodeMemory(cfg_for_memory(), replicas, store, Counter())
-    await memory.learn_capacity(conversation("d0", "engine-d0"))
-    await memory.learn_capacity(conversation("d0", "engine-d0"))
-    assert store.capacity == {"engine-d0": 300} and replicas.block_queries == 1
+    assert await memory.capacity_of(conversation("d0", "engine-d0")) == 300
+    assert await memory.capacity_of(conversation("d0", "engine-d0")) == 300
+    assert replicas.block_queries == 1
     # A replica that now runs another engine than the handle's: nothing learned.
     counts = memory.counts
-    await memory.learn_capacity(conversation("d1", "engine-old"))
-    assert "engine-old" not in store.capacity and counts["capacity_unknown"] == 1
+    assert await memory.capacity_of(conversation("d1", "engine-old")) is None
+    assert counts["capacity_unknown"] == 1
+
+
+async def test_live_engines_capacity_synced_to_the_store_even_without_turns():
+    """A replacement decode replica that served no turn yet, and a store that restarted:
+    the periodic sync asks each live replica once and tells the store every engine."""
+    replicas = FakeDecodeReplicas({"d0": set(), "d1": set()})
+    store = CapacityStore()
+    memory = DecodeMemory(cfg_for_memory(), replicas, store, Counter())
+    assert await memory.sync_capacities() == 2
+    assert store.capacity == {"engine-d0": 300, "engine-d1": 300} and replicas.block_queries == 2
+    store.capacity.clear()  # the store restarted, empty
+    replicas.dead.add("d1")  # and d1 went away
+    assert await memory.sync_capacities() == 1
+    assert store.capacity == {"engine-d0": 300} and replicas.block_queries == 2  # nobody asked twice
+
+
+def test_restarted_store_learns_the_budget_from_the_next_turn():
+    """A shard restarted by Ray starts empty; the ingress learned each engine's block count
+    once and does not ask again, so the count travels with every stored turn."""
+    from connector.store import HandleStore
+
+    def turn(store, session, request_id, blocks):
+        claim = store.begin_turn(session)
+        store.end_turn(claim.lease_id, TurnOutcome.UNUSED, conversation_on("e0", session, request_id), blocks)
+
+    store = HandleStore(handle_ttl_s=100, decoder_ttl_s=200, max_sessions=100, max_blocks_per_engine=10_000, pinned_fraction=0.5)
+    turn(store, "a", "r1", 300)
+    assert store.stats()["pin_budgets"] == {"e0": 150}
+    restarted = HandleStore(handle_ttl_s=100, decoder_ttl_s=200, max_sessions=100, max_blocks_per_engine=10_000, pinned_fraction=0.5)
+    assert restarted.stats()["pin_budgets"] == {}
+    turn(restarted, "b", "r2", 300)
+    assert restarted.stats()["pin_budgets"] == {"e0": 150}
+    # A count given again does not replace a budget set on purpose.
+    restarted.set_engine_capacity("e0", 100)
+    turn(restarted, "c", "r3", 300)
+    assert restarted.stats()["pin_budgets"] == {"e0": 50}
 
 
 async def test_background_flush_and_periodic_ticks():

@@ -193,7 +193,7 @@ async def test_a_turn_that_extends_its_claim_travels_as_its_tail():
     sent = []
     store = source.shards[0].store
     end_turn = store.end_turn
-    store.end_turn = lambda lease, outcome, c: (sent.append(c), end_turn(lease, outcome, c))[1]
+    store.end_turn = lambda lease, outcome, c, blocks=None: (sent.append(c), end_turn(lease, outcome, c, blocks))[1]
     client = StoreClient(source, SETTINGS)
 
     def handle(n):

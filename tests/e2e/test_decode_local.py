@@ -2,9 +2,15 @@
 turn that adds few tokens is computed by the session's decode engine over its own prefix
 cache, with no prefill leg and no transfer; a turn that adds more goes through prefill,
 which pulls the history, including what the local turn added. Greedy tokens equal a
-recomputing engine's either way; the engines' own counters say who computed what."""
+recomputing engine's either way; the engines' own counters say who computed what.
+
+The blocks a decode-local request pins live by the same rules as any other decode pin
+(the decode engine's own block pool says so): freed once prefill has read them, and at
+the decoder TTL on an idle engine when nobody does."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -13,6 +19,7 @@ from tests.e2e.helpers import SYSTEM, chat, delta, engine_stats, kv_stats, refer
 
 LIMIT = 48
 APP = "loc"
+DECODER_TTL_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +28,15 @@ def loc(apps):
 
     from app.builder import build
 
-    cfg = pd_config(app_name=APP, **{"decode.num_replicas": 1, "transfer.decode_local_tokens": LIMIT})
+    cfg = pd_config(
+        app_name=APP,
+        **{
+            "decode.num_replicas": 1,
+            "transfer.decode_local_tokens": LIMIT,
+            "transfer.decoder_kv_blocks_ttl_s": DECODER_TTL_S,
+            "sessions.handle_ttl_s": 12,
+        },
+    )
     serve.run(build(cfg), name=APP, route_prefix="/" + APP)
     yield {"url": apps["url"] + "/" + APP, "cfg": cfg}
     serve.delete(APP)
@@ -29,6 +44,23 @@ def loc(apps):
 
 def _stats():
     return engine_stats("PrefillServer", app=APP), engine_stats("DecodeServer", app=APP)
+
+
+def _blocks() -> dict:
+    from ray import serve
+
+    from app.engine import ReplicaQuery
+
+    return serve.get_deployment_handle("DecodeServer", APP).kv_blocks.remote(ReplicaQuery()).result()
+
+
+def _wait_for(predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
 
 
 def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
@@ -74,3 +106,35 @@ def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
     assert r3.kvturn["reused_from_decode"] >= history - block
     assert r3.token_ids == reference_tokens(apps["url"], r3.prompt_token_ids, len(r3.token_ids))
     assert kv_stats(url)["turns"]["decode_local"] == 1
+    # Prefill's read of turn 2's blocks freed them on decode: only turn 3's pin is left
+    # (turn 1's was released when turn 2 stayed local).
+    blocks = _wait_for(lambda: (b := _blocks())["pinned_requests"] == 1 and b, 10)
+    assert blocks, _blocks()
+
+
+def test_pin_of_a_decode_local_request_expires_on_an_idle_engine(apps, loc):
+    """A decode request that computes its prompt itself, sent straight to the decode
+    replica (no ingress, no store to release it): its blocks are pinned for the next
+    turn's pull, and the idle engine frees them at its TTL by itself."""
+    from ray import serve
+
+    from app.engine import EngineRequest, Sampling
+    from connector.handle import KVHandle, local_decode_params
+
+    decode = serve.get_deployment_handle("DecodeServer", APP).options(stream=True)
+    before = _blocks()
+    request = EngineRequest(
+        request_id=f"idle-pin-{time.monotonic_ns()}",
+        prompt_token_ids=tuple(range(100, 100 + 3 * loc["cfg"].block_size)),
+        sampling=Sampling(max_tokens=4, temperature=0.0),
+        kv_params=local_decode_params(),
+    )
+    final = [chunk for chunk, _ in decode.generate.remote(request)][-1]
+    handle = KVHandle.from_wire(final.kv_params)  # the blocks are pinned for a pull
+    pinned = _blocks()
+    assert pinned["pinned_requests"] >= before["pinned_requests"] + 1 and pinned["pinned"] >= handle.num_blocks
+    ended = time.monotonic()
+    # Nothing else runs on this engine now: only its own TTL can free the blocks.
+    idle = _wait_for(lambda: (b := _blocks())["pinned"] == 0 and b, DECODER_TTL_S + 15)
+    assert idle and idle["pinned_requests"] == 0, _blocks()
+    assert time.monotonic() - ended >= DECODER_TTL_S - 2, "freed before its TTL: not by the TTL"
