@@ -257,8 +257,30 @@ class IngressConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1)
 
 
+class TenantPolicy(_Strict):
+    """What one tenant (an API key) may hold and send (`app.quotas`, `connector.shares`)."""
+
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Share of each decode engine's pinned-KV budget, relative to other tenants' weights. "
+            "Idle share is lent; a tenant over its share loses its own oldest conversations first."
+        ),
+    )
+    max_sessions: int | None = Field(
+        None, ge=1, description="Conversations kept for the tenant; past it its least recently used is forgotten."
+    )
+    max_concurrent_turns: int | None = Field(
+        None, ge=1, description="Turns in flight at once; more are refused with 429 and Retry-After."
+    )
+    prompt_tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt tokens accepted per rolling minute; more are refused with 429 and Retry-After."
+    )
+
+
 class AccessConfig(_Strict):
-    """Who may call the API and what it shows (`app.auth`)."""
+    """Who may call the API, what tenants share, and what it shows (`app.auth`)."""
 
     api_keys: tuple[str, ...] = Field(
         (),
@@ -268,6 +290,20 @@ class AccessConfig(_Strict):
         ),
     )
     expose_kv_stats: bool = Field(True, description="Serve GET /v1/kv/stats (reuse counters and the store's state).")
+    tenants: dict[str, TenantPolicy] = Field(
+        default_factory=dict, description="Per API key: its weight and quotas (keys not listed get default_tenant)."
+    )
+    default_tenant: TenantPolicy = Field(
+        default_factory=TenantPolicy, description="Weight and quotas of keys not in `tenants`, and of trusted handle callers."
+    )
+    share_prefix_cache: bool = Field(
+        False,
+        description=(
+            "Let tenants hit each other's cached prefixes (e.g. a common system prompt). Off: every "
+            "engine request carries its tenant's cache salt, so no tenant can tell from cached_tokens "
+            "or timing what another sent. On, that side channel is open."
+        ),
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -282,6 +318,13 @@ class AccessConfig(_Strict):
         if any(not k or k != k.strip() for k in value):
             raise ValueError("api keys must be non-empty and carry no surrounding spaces")
         return value
+
+    @model_validator(mode="after")
+    def _tenants_are_keys(self) -> "AccessConfig":
+        unknown = [k for k in self.tenants if k not in self.api_keys]
+        if unknown:
+            raise ValueError(f"access.tenants names {len(unknown)} key(s) that are not in access.api_keys")
+        return self
 
 
 class OpenAIConfig(_Strict):

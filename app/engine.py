@@ -58,6 +58,11 @@ class EngineRequest:
     kv_params: dict[str, Any] | None = None
     preferred_replica: str | None = None
     """Replica the session last used; read by the request router, not by the engine."""
+    avoid_replicas: tuple[str, ...] = ()
+    """Replicas that failed this turn: the router sends it elsewhere while it can."""
+    cache_salt: str | None = None
+    """vLLM's prefix-cache salt: blocks cached under one salt are only hit by requests
+    with the same salt (one per tenant, `app.auth`)."""
 
 
 @dataclass(frozen=True)
@@ -456,6 +461,8 @@ class VLLMEngine:
 
         params = sampling_params(request)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         timed = False
         async for out in self._llm.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]

@@ -23,10 +23,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import metrics, openai_api
-from app.auth import ApiKeys, scoped
+from app.auth import ApiKeys, Tenant, scoped
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
 from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.quotas import Quotas
 from app.routing import LiveReplicas
 from app.turns import Delta, TurnInput, TurnResult, Turns
 from connector.actor import StoreClient, StoreSettings, StoreUnavailable
@@ -38,7 +39,7 @@ api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serv
 def _error_response(exc: BaseException) -> JSONResponse:
     """Every error as an OpenAI-style `{"error": {...}}` body with its status."""
     status, body = openai_api.error_body(exc)
-    headers = getattr(exc, "headers", None) if isinstance(exc, StarletteHTTPException) else None
+    headers = getattr(exc, "headers", None) if isinstance(exc, (StarletteHTTPException, APIError)) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -53,6 +54,7 @@ class _Prepared:
     """A validated request ready to run: the turn, and how its output is shaped."""
 
     turn: TurnInput
+    tenant: Tenant
     parser: Any = None
     """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
 
@@ -110,6 +112,9 @@ class ServeEngineClients:
     def decode_alive(self, replica_id: str) -> bool | None:
         return self._decode_live.alive(replica_id)
 
+    def decode_replicas(self) -> frozenset[str] | None:
+        return self._decode_live.running()
+
     async def decode_kv_blocks(self, replica_id: str) -> dict | None:
         return await self._decode_calls.kv_blocks.remote(ReplicaQuery(replica_id))
 
@@ -157,7 +162,8 @@ class Ingress:
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
-        self._keys = ApiKeys(cfg.access.api_keys)
+        self._keys = ApiKeys.of(cfg.access)
+        self._quotas = Quotas(cfg.ingress.num_replicas)
         self._metrics = metrics.TurnMetrics(cfg.mode.value)
         timed_store = metrics.TimedStore(store) if store is not None else None
         self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), timed_store, self._tok)
@@ -224,13 +230,13 @@ class Ingress:
 
     async def _http(self, request: Request, model_cls, events, kind: str):
         try:
-            namespace = self._keys.namespace(request.headers.get("authorization"))
+            tenant = self._keys.tenant(request.headers.get("authorization"))
             session_id = request.headers.get(self._cfg.sessions.session_header)
             if session_id is not None and not 0 < len(session_id) <= self._cfg.openai.max_session_id_chars:
                 raise APIError(400, f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters", param=self._cfg.sessions.session_header)
             data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
             body = model_cls.model_validate(data)
-            prepared = await self._prepare(body, session_id, events, namespace)
+            prepared = await self._prepare(body, session_id, events, tenant, stream=bool(body.stream))
             if body.stream:
                 # Peek: everything knowable before the first byte (context length, the
                 # engine refusing the request) answers with its status, not in-stream.
@@ -287,15 +293,15 @@ class Ingress:
         return out
 
     async def _call(self, model_cls, events, kind, body, session_id, api_key=None):
-        namespace = self._keys.handle_namespace(api_key)
+        tenant = self._keys.handle_tenant(api_key)
         parsed = self._validate(model_cls, body)
-        prepared = await self._prepare(parsed, session_id, events, namespace)
+        prepared = await self._prepare(parsed, session_id, events, tenant, stream=False)
         return await self._collect(kind, parsed, prepared)
 
     async def _call_stream(self, model_cls, events, kind, body, session_id, api_key=None):
-        namespace = self._keys.handle_namespace(api_key)
+        tenant = self._keys.handle_tenant(api_key)
         parsed = self._validate(model_cls, body)
-        prepared = await self._prepare(parsed, session_id, events, namespace)
+        prepared = await self._prepare(parsed, session_id, events, tenant, stream=True)
         async for chunk in self._chunks(kind, parsed, prepared):
             yield chunk
 
@@ -310,7 +316,7 @@ class Ingress:
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
-    async def _prepare(self, body, session_id: str | None, events, namespace: str = "") -> _Prepared:
+    async def _prepare(self, body, session_id: str | None, events, tenant: Tenant, *, stream: bool = True) -> _Prepared:
         """Validate what vLLM's request models leave to the engine, render and tokenize
         (off the event loop: prompts can be large), and build the decode engine's
         SamplingParams with vLLM's own `to_sampling_params`."""
@@ -349,13 +355,15 @@ class Ingress:
         turn = TurnInput(
             request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
             sampling=sampling,
-            session_id=scoped(namespace, session_id),
-            namespace=namespace,
+            session_id=scoped(tenant.namespace, session_id),
+            namespace=tenant.namespace,
+            cache_salt=tenant.salt_for(getattr(body, "cache_salt", None)),
             prompt_text=text,
             prompt_ids=ids,
             max_tokens_given=limit is not None,
+            stream=stream,
         )
-        return _Prepared(turn, parser)
+        return _Prepared(turn, tenant, parser)
 
     async def _chat_events(self, body: ChatCompletionRequest):
         """The rendered prompt of a chat request and its output parser (which may adjust
@@ -371,13 +379,14 @@ class Ingress:
         text, ids = body.prompt_text_or_ids()
         return text, ids, None
 
-    def _record_turn(self, result: TurnResult, body) -> None:
+    def _record_turn(self, result: TurnResult, body, tenant: Tenant) -> None:
         """Metrics of a finished turn (`app.metrics`); starts the metrics poll. Never
         raises: metrics must not fail an answer."""
         try:
             index = metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
-            self._metrics.record_turn(result, index)
+            self._metrics.record_turn(result, index, tenant.label)
             self._metrics.sync_events(self._turns.counts)
+            self._metrics.sync_refusals(self._quotas.refused)
             self._metrics.ensure_polling(self._turns.counts, self._store.stats if self._store is not None else None)
         except Exception:
             logger.exception("turn metrics failed")
@@ -410,15 +419,16 @@ class Ingress:
         token_ids: list[int] = []
         logprobs: list | None = [] if body.requested_logprobs is not None else None
         result = None
-        async for event in self._turns.run(turn):
-            if isinstance(event, Delta):
-                texts.append(event.text)
-                token_ids.extend(event.token_ids)
-                if logprobs is not None and event.logprobs:
-                    logprobs.extend(event.logprobs)
-            else:
-                result = event
-        self._record_turn(result, body)
+        with self._admitted(prepared):
+            async for event in self._turns.run(turn):
+                if isinstance(event, Delta):
+                    texts.append(event.text)
+                    token_ids.extend(event.token_ids)
+                    if logprobs is not None and event.logprobs:
+                        logprobs.extend(event.logprobs)
+                else:
+                    result = event
+        self._record_turn(result, body, prepared.tenant)
         text = "".join(texts)
         if kind == "chat.completion":
             message, called = openai_api.chat_message(prepared.parser, self._parsers.auto_tools, body, text, token_ids)
@@ -448,15 +458,25 @@ class Ingress:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         stream = openai_api.ChatStream(prepared.parser, body, turn.prompt_ids) if chat else None
-        offset = 0
 
         def envelope(choices: list, **extra) -> dict:
             return {"id": turn.request_id, "object": chunk_kind, "created": created, "model": self._cfg.model_name, "choices": choices, **extra}
 
-        events = self._turns.run(turn)
-        first = await anext(events)
-        if chat:
-            yield envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        with self._admitted(prepared):
+            events = self._turns.run(turn)
+            first = await anext(events)
+            if chat:
+                yield envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            async for chunk in self._stream_chunks(first, events, body, prepared, stream, envelope):
+                yield chunk
+
+    def _admitted(self, prepared: _Prepared):
+        """The tenant's quotas for this turn (`app.quotas`): a 429 before anything runs."""
+        return self._quotas.admit(prepared.tenant, len(prepared.turn.prompt_ids or ()))
+
+    async def _stream_chunks(self, first, events, body, prepared: _Prepared, stream, envelope) -> AsyncIterator[dict]:
+        chat = stream is not None
+        offset = 0
 
         async def all_events():
             yield first
@@ -481,7 +501,7 @@ class Ingress:
                     choice["token_ids"] = list(event.token_ids)
                 yield envelope([choice])
                 continue
-            self._record_turn(event, body)
+            self._record_turn(event, body, prepared.tenant)
             if chat:
                 tail = stream.delta("", (), finished=True)
                 if tail:

@@ -123,6 +123,19 @@ class TurnMetrics:
         self.pull_timeouts = ray_metrics.Counter(
             "kvturn_pull_timeouts", "Prefill legs aborted past their pull deadline and recomputed."
         )
+        # Per tenant: the label is the tenant's namespace (a hash of its key), so the series
+        # are bounded by the keys configured.
+        self.tenant_turns = ray_metrics.Counter("kvturn_tenant_turns", "Turns answered, per tenant.", tag_keys=("tenant",))
+        self.tenant_prompt_tokens = ray_metrics.Counter(
+            "kvturn_tenant_prompt_tokens", "Prompt tokens of answered turns, per tenant.", tag_keys=("tenant",)
+        )
+        self.tenant_cached = ray_metrics.Counter(
+            "kvturn_tenant_tokens_cached", "Prompt tokens not computed in their turn, per tenant.", tag_keys=("tenant",)
+        )
+        self.tenant_refusals = ray_metrics.Counter(
+            "kvturn_tenant_refusals", "Turns refused with 429, per tenant and quota.", tag_keys=("tenant", "quota")
+        )
+        self._refused: _Counts[tuple[str, str]] = _Counts()
         self._synced: _Counts[str] = _Counts()
         self.store = StoreGauges()
         self._task: asyncio.Task | None = None
@@ -145,10 +158,15 @@ class TurnMetrics:
                     logger.debug("store stats poll failed: %s", exc)
             await asyncio.sleep(POLL_S)
 
-    def record_turn(self, result: Any, turn_index: int | None) -> None:
-        """One finished turn (`app.turns.TurnResult`)."""
+    def record_turn(self, result: Any, turn_index: int | None, tenant: str | None = None) -> None:
+        """One finished turn (`app.turns.TurnResult`) of `tenant` (its label)."""
         tags = {"mode": self._mode, "turn": turn_bucket(turn_index)}
         self.turns.inc(1, tags=tags)
+        if tenant is not None:
+            self.tenant_turns.inc(1, tags={"tenant": tenant})
+            for counter, value in ((self.tenant_prompt_tokens, result.prompt_tokens), (self.tenant_cached, result.cached_tokens)):
+                if value > 0:
+                    counter.inc(value, tags={"tenant": tenant})
         timings = result.timings or {}
         if "first_token_s" in timings:
             self.ttft.observe(timings["first_token_s"], tags=tags)
@@ -165,6 +183,14 @@ class TurnMetrics:
                 counter.inc(value, tags=tags)
         if result.miss_reason:
             self.misses.inc(1, tags={"mode": self._mode, "reason": result.miss_reason})
+
+    def sync_refusals(self, refused: Mapping[tuple[str, str], int]) -> None:
+        """Export the growth of the quotas' refusals (`app.quotas.Quotas.refused`)."""
+        for (tenant, quota), value in list(refused.items()):
+            grown = value - self._refused[(tenant, quota)]
+            if grown > 0:
+                self._refused[(tenant, quota)] = value
+                self.tenant_refusals.inc(grown, tags={"tenant": tenant, "quota": quota})
 
     def sync_events(self, counts: Mapping[str, int]) -> None:
         """Export the growth of the orchestration's cumulative counters since the last call."""
@@ -191,6 +217,11 @@ class StoreGauges:
         self.exits = ray_metrics.Gauge(
             "kvturn_store_handle_exits", "Handles that left the store, by exit (cumulative, per store).", tag_keys=("exit",)
         )
+        self.tenant = ray_metrics.Gauge(
+            "kvturn_store_tenant",
+            "Per tenant: sessions kept, blocks pinned, evictions (for blocks, for its session limit; cumulative).",
+            tag_keys=("tenant", "figure"),
+        )
         self._seen_states: set[str] = set()
 
     def update(self, store_stats: Mapping[str, Any]) -> None:
@@ -213,6 +244,13 @@ class StoreGauges:
             self.exits.set(value, tags={"exit": name})
         for engine, blocks in pinned.items():
             self.pinned.set(blocks, tags={"engine": engine})
+        tenants: dict[str, _Counts[str]] = {}
+        for shard in shards:
+            for tenant, figures in (shard.get("tenants") or {}).items():
+                tenants.setdefault(tenant.rstrip(":") or "default", _Counts()).update(figures)
+        for tenant, figures in tenants.items():
+            for figure, value in figures.items():
+                self.tenant.set(value, tags={"tenant": tenant, "figure": figure})
         self.sessions.set(sessions)
         self.claimed.set(claimed)
 

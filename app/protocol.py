@@ -38,16 +38,34 @@ UNSUPPORTED = {
 class APIError(Exception):
     """An error the client caused or must see, as an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.details = details
+        """Extension facts beside the error (e.g. the decode replica that failed), sent
+        as the body's `kvturn` field."""
+        self.headers = headers
+        """HTTP headers of the answer (e.g. `Retry-After` of a 429)."""
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body: dict[str, Any] = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        if self.details:
+            body["kvturn"] = self.details
+        return body
 
 
 def _refuse_server_fields(data: Any) -> Any:

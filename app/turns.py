@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Protocol, Sequence
+from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
 from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
@@ -56,7 +56,9 @@ class Store(Protocol):
 
     async def begin_turn(self, session_id: str) -> Claim: ...
 
-    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None: ...
+    async def end_turn(
+        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks: int | None = None
+    ) -> None: ...
 
     async def drop_engine(self, engine_id: str) -> int: ...
 
@@ -72,6 +74,13 @@ class TurnInput:
     namespace: str = ""
     """Tenant prefix of session ids (`app.auth`): `session_id` already carries it; new
     sessions get it and sessionless matches stay inside it. Results show ids without it."""
+    cache_salt: str | None = None
+    """The tenant's prefix-cache salt (`app.auth.Tenant.salt_for`), on every engine request
+    of the turn: cached prefixes only ever hit within one tenant."""
+    stream: bool = True
+    """The client sees the answer as it is generated. A turn that does not stream gets
+    its deltas at the end, so a decode replica that fails midway costs a recompute on
+    another replica, not an error."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ class Turns:
         session_id, prompt_ids, claim = await self._resolve_session(turn)
         timings["store_s"] = time.monotonic() - started
         pin_deadline = self._pin_deadline(claim)
-        outcome, new_conv = TurnOutcome.UNUSED, None
+        outcome, new_conv, engine_blocks = TurnOutcome.UNUSED, None, None
         try:
             conv = claim.conversation if claim else None
             prompt_ids, spliced = self._prompt_ids(turn, prompt_ids, conv)
@@ -209,16 +218,26 @@ class Turns:
                 sampling=sampling,
                 kv_params=decode_params,
                 preferred_replica=conv.decode_replica if conv else None,
+                cache_salt=turn.cache_salt,
             )
             generated: list[int] = []
             texts: list[str] = []
-            final, replica = None, None
+            held: list[Delta] = []  # a turn that does not stream: its deltas, until the end
+            sent = False  # a delta reached the client: the answer can no longer start over
+            final, replica, recomputed = None, None, False
             leg = None
             if local and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
                 leg = _LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
             try:
-                async for chunk, replica in self._decode(request):
+                async for item in self._decode(request, can_restart=lambda: not sent):
+                    if isinstance(item, _Restart):
+                        # Another replica computes the prompt (and, if output had begun,
+                        # the whole answer) again: nothing of the failed attempt is kept.
+                        generated.clear(), texts.clear(), held.clear()
+                        final, recomputed = None, True
+                        continue
+                    chunk, replica = item
                     if "first_token_s" not in timings:
                         timings["first_token_s"] = time.monotonic() - started
                         if leg is not None:
@@ -229,20 +248,30 @@ class Turns:
                     generated.extend(chunk.token_ids)
                     texts.append(chunk.text)
                     if chunk.token_ids or chunk.text:
-                        yield Delta(chunk.text, chunk.token_ids, chunk.logprobs)
+                        delta = Delta(chunk.text, chunk.token_ids, chunk.logprobs)
+                        if turn.stream:
+                            sent = True
+                            yield delta
+                        else:
+                            held.append(delta)
                     if chunk.finished:
                         final = chunk
             finally:
                 if leg is not None:
                     leg.end(len(prompt_ids) - final.num_cached_tokens if final is not None else None)
             if final is None:
-                raise RuntimeError("decode engine ended the stream without a final output")
-            if local or not self._cfg.disaggregated:
+                raise APIError(502, "the decode replica ended the answer without a final output", type="server_error", code="decode_failed")
+            for delta in held:
+                yield delta
+            if recomputed:
+                # The answer came from a replica that computed the prompt itself.
+                cached, pulled = final.num_cached_tokens, 0
+            elif local or not self._cfg.disaggregated:
                 cached = final.num_cached_tokens
                 if local:
                     self.counts["decode_local_cached_tokens"] += cached
             new_conv = self._conversation(session_id, turn, prompt_ids, generated, "".join(texts), final, replica)
-            await self.memory.learn_capacity(new_conv)
+            engine_blocks = await self.memory.capacity_of(new_conv)
             self.counts["turns"] += 1
             self.counts["prompt_tokens"] += len(prompt_ids)
             self.counts["cached_tokens"] += cached
@@ -266,7 +295,8 @@ class Turns:
         finally:
             if claim is not None and self._store is not None:
                 # Shielded: runs even when the client disconnects mid-stream.
-                await asyncio.shield(self._store_call(self._store.end_turn(claim, outcome, new_conv), None, "end_turn"))
+                stored = self._store.end_turn(claim, outcome, new_conv, engine_blocks)
+                await asyncio.shield(self._store_call(stored, None, "end_turn"))
                 self.memory.release_soon()
 
     # -- steps -------------------------------------------------------------------------
@@ -427,6 +457,7 @@ class Turns:
             prompt_token_ids=prompt_ids,
             sampling=Sampling(max_tokens=1, temperature=0.0),
             kv_params=prefill_params(history),
+            cache_salt=turn.cache_salt,
         )
         new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
         # Every leg has a deadline: a pool with no live replica (all restarting) must not
@@ -493,36 +524,56 @@ class Turns:
         self.pace.observe(len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead)
         return final
 
-    async def _decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
-        """Stream from decode. If the replica fails before its first output (e.g. the
-        session's replica died since the last turn), retry once on any replica. A replica
-        that fails after it started answering (or twice) ends the turn with a 502
-        `APIError` (`decode_failed`): the client sees a clear error, the session's next
-        turn recomputes."""
-        started = False
-        try:
+    async def _decode(
+        self, request: EngineRequest, can_restart: Callable[[], bool] = lambda: False
+    ) -> AsyncIterator[tuple[EngineChunk, str] | _Restart]:
+        """Stream from decode, on up to `DECODE_ATTEMPTS` replicas.
+
+        A replica that fails before the client saw any output (`can_restart()`: before
+        the first delta of a streamed turn, at any point of one that does not stream)
+        is avoided and the turn goes to another replica, which computes the prompt
+        itself (`local_decode_params`: the prefill engine's blocks may already be gone
+        to the failed reader, and a second read of freed blocks would load wrong KV). A
+        `_Restart` tells the caller to drop what the failed attempt produced. A replica
+        that fails after output reached the client, or on every attempt, ends the turn
+        with a 502 `APIError` (`decode_failed`); the session's next turn recomputes."""
+        avoid: list[str] = []
+        attempt = request
+        for tries in range(1, DECODE_ATTEMPTS + 1):
+            produced, replica = False, attempt.preferred_replica
             try:
-                async for item in self._clients.decode(request):
-                    started = True
+                async for item in self._clients.decode(attempt):
+                    produced, replica = True, item[1]
                     yield item
+                return
             except APIError:
                 raise
             except Exception as exc:
-                if started:
-                    raise
+                if not can_restart() or tries == DECODE_ATTEMPTS:
+                    self.counts["decode_failed"] += 1
+                    logger.warning("decode %s failed: %r", attempt.request_id, exc)
+                    raise APIError(
+                        502,
+                        "the decode replica failed while answering; send the turn again",
+                        type="server_error",
+                        code="decode_failed",
+                        details={"decode_replica": replica},
+                    ) from exc
                 self.counts["decode_retried"] += 1
-                logger.warning("decode %s failed before its first output, retrying: %r", request.request_id, exc)
-                retry = dataclasses.replace(request, request_id=request.request_id + "-retry", preferred_replica=None)
-                async for item in self._clients.decode(retry):
-                    yield item
-        except APIError:
-            raise
-        except Exception as exc:
-            self.counts["decode_failed"] += 1
-            logger.warning("decode %s failed: %r", request.request_id, exc)
-            raise APIError(
-                502, "the decode replica failed while answering; send the turn again", type="server_error", code="decode_failed"
-            ) from exc
+                if produced:
+                    self.counts["decode_restarted"] += 1
+                logger.warning("decode %s failed on %s, computing the turn on another replica: %r", attempt.request_id, replica, exc)
+            if replica and replica not in avoid:
+                avoid.append(replica)
+            yield _Restart()
+            attempt = dataclasses.replace(
+                request,
+                request_id=f"{request.request_id}-retry{tries}",
+                preferred_replica=None,
+                avoid_replicas=tuple(avoid),
+                kv_params=local_decode_params() if self._cfg.reuses_kv else None,
+            )
+            await asyncio.sleep(DECODE_RETRY_PAUSE_S * tries)  # Serve learns of a dead replica
 
     def _conversation(self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica) -> Conversation:
         handle = None
@@ -549,6 +600,17 @@ class Turns:
             # The stop/EOS token is in the ids but not in the text the client receives.
             suffix = self._tok.piece(generated[-1])
         return turn.prompt_text + text + suffix
+
+
+@dataclass(frozen=True)
+class _Restart:
+    """From `Turns._decode`: the attempt so far failed; another replica starts over."""
+
+
+DECODE_ATTEMPTS = 3
+"""Decode replicas a turn tries before it fails (each after the last failed before output)."""
+DECODE_RETRY_PAUSE_S = 0.2
+"""Pause before the n-th retry, times n: Serve's routers drop a dead replica within it."""
 
 
 class _LocalLeg:

@@ -12,7 +12,12 @@ their prompts). Each turn appends the answer and a tool result. New turns stop a
 Faults, at random points of the load (drawn by `--seed`, as fractions of all turns
 answered): one decode replica and one prefill replica are killed (`ray.kill` of their
 Serve replica actors, `SERVE_REPLICA::<app>#DecodeServer#...`, Serve replaces them) and
-one handle-store shard (restarted by Ray, its handles lost).
+one handle-store shard (restarted by Ray, its handles lost). `--kills-together` kills the
+decode and the prefill replica in the same moment.
+
+A stream that fails after its first chunk ends with an error event that names the decode
+replica it ran on (`kvturn.decode_replica`); the report counts those on the killed decode
+replica apart from any other (which should be none).
 
 Report (printed as markdown, written as JSON to `bench/results/`): requests, errors by
 kind, reuse (cached / prompt tokens of later turns, and the share of later turns that
@@ -57,6 +62,8 @@ class Turn:
     cached_tokens: int = 0
     miss_reason: str | None = None
     seconds: float = 0.0
+    failed_on: str | None = None
+    """The decode replica a failed stream ran on, as its error event says."""
 
 
 @dataclass
@@ -71,15 +78,22 @@ class Report:
     engine_processes_after_shutdown: int | None = None
     turn_counts: dict | None = None
     """The ingress's orchestration counters after the load (`/v1/kv/stats`)."""
+    budgets: dict | None = None
+    """Pin budgets the store holds for each live decode engine, per shard, after the TTL."""
     wall_s: float = 0.0
 
     def summary(self) -> dict:
         later = [t for t in self.turns if t.ok and t.turn > 1]
         errors = Counter(t.error for t in self.turns if not t.ok)
+        killed_decode = {k.get("killed") for k in self.kills if k.get("target") == "DecodeServer"}
+        streams_failed = [t for t in self.turns if not t.ok and (t.error or "").startswith("stream_error")]
         return {
             "requests": len(self.turns),
             "ok": sum(t.ok for t in self.turns),
             "errors": dict(errors),
+            "http_errors": sum(1 for t in self.turns if (t.error or "").startswith("http_")),
+            "stream_errors_on_killed_decode": sum(1 for t in streams_failed if t.failed_on in killed_decode),
+            "stream_errors_elsewhere": sum(1 for t in streams_failed if t.failed_on not in killed_decode),
             "later_turns_ok": len(later),
             "reuse_token_fraction": round(sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3),
             "later_turns_reusing": round(sum(t.cached_tokens > 0 for t in later) / max(1, len(later)), 3),
@@ -88,6 +102,7 @@ class Report:
             "kills": self.kills,
             "claimed_handles_after_load": self.claimed_handles_after_load,
             "pinned_blocks_after_ttl": self.pinned_blocks_after_ttl,
+            "pin_budgets_after_ttl": self.budgets,
             "engine_processes_while_running": self.engine_processes_while_running,
             "engine_processes_after_shutdown": self.engine_processes_after_shutdown,
             "wall_s": round(self.wall_s, 1),
@@ -126,7 +141,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
                         continue
                     chunk = json.loads(line.removeprefix("data: "))
                     if "error" in chunk:
-                        rec.error = "stream_error:" + str(chunk["error"].get("type") or chunk["error"].get("code"))
+                        rec.error = "stream_error:" + str(chunk["error"].get("code") or chunk["error"].get("type"))
+                        rec.failed_on = (chunk.get("kvturn") or {}).get("decode_replica")
                     usage = chunk.get("usage") or usage
                     if "kvturn" in chunk:
                         rec.miss_reason = chunk["kvturn"].get("miss_reason")
@@ -211,6 +227,9 @@ def kill_store_shard(app: str, rng: random.Random) -> dict:
 async def fault_injector(args, report: Report, done: list, total: int, can_kill: bool) -> None:
     rng = random.Random(args.seed)
     plan = sorted((rng.uniform(0.1, 0.7), target) for target in ("DecodeServer", "PrefillServer", "store"))
+    if args.kills_together:
+        at = next(f for f, target in plan if target == "DecodeServer")
+        plan = sorted((at if target == "PrefillServer" else f, target) for f, target in plan)
     for fraction, target in plan:
         while done[0] < fraction * total:
             await asyncio.sleep(0.2)
@@ -262,12 +281,24 @@ def decode_blocks(app: str) -> dict:
             except Exception:  # an app without DecodeServer.kv_blocks
                 blocks = None
             if blocks is not None:
-                out[rid] = {k: blocks[k] for k in ("total", "free", "pinned", "pinned_requests") if k in blocks}
+                out[rid] = {k: blocks[k] for k in ("engine_id", "total", "free", "pinned", "pinned_requests") if k in blocks}
                 continue
             stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)
             out[rid] = {"kv_cache_usage": stats.get("kv_cache_usage")}
         except Exception as exc:
             out[rid] = {"error": repr(exc)}
+    return out
+
+
+def pin_budgets(app: str, engines: dict) -> dict:
+    """For each live decode engine (`decode_blocks`' replicas), the pin budget each store
+    shard holds for it (None: the shard has none and applies its default)."""
+    state = store_state(app) or {}
+    shards = state.get("shards", [])
+    out = {}
+    for rid, blocks in engines.items():
+        engine_id = blocks.get("engine_id")
+        out[rid] = [(s.get("pin_budgets") or {}).get(engine_id) for s in shards]
     return out
 
 
@@ -332,6 +363,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8197)
     p.add_argument("--metrics-port", type=int, default=8198)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kills-together", action="store_true", help="kill the prefill replica in the same moment as the decode replica")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -369,6 +401,7 @@ def main(argv=None) -> int:
             print(f"[soak] waiting {wait:.0f} s (decode TTL) before reading pinned blocks", flush=True)
             time.sleep(wait)
             report.pinned_blocks_after_ttl = decode_blocks(args.app)
+            report.budgets = pin_budgets(args.app, report.pinned_blocks_after_ttl)
             report.engine_processes_while_running = engine_processes(args.app)
     finally:
         if own:

@@ -38,9 +38,10 @@ from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from connector.handle import KVHandle
+from connector.shares import TenantShares, tenant_of
 
 DEFAULT_MAX_STORE_BYTES = 4 << 30
 """Bytes of conversations one store (shard) keeps by default before LRU eviction."""
@@ -368,6 +369,10 @@ class _PinLedger:
     def budget(self, engine_id: str) -> int:
         return self.budgets.get(engine_id, self._default_budget)
 
+    def knows(self, engine_id: str) -> bool:
+        """Whether the engine's capacity was set (else the default budget applies)."""
+        return engine_id in self.budgets
+
     def set_capacity(self, engine_id: str, total_blocks: int) -> None:
         self.budgets[engine_id] = math.floor(self._fraction * total_blocks)
 
@@ -446,6 +451,8 @@ class HandleStore:
         max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
         text_block_chars: int = 64,
         match_fanout: int = MATCH_FANOUT,
+        tenant_weights: Mapping[str, float] | None = None,
+        tenant_max_sessions: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if handle_ttl_s >= decoder_ttl_s:
@@ -473,7 +480,11 @@ class HandleStore:
         self._claimed = 0
         self._states: Counter[HandleState] = Counter()  # states of live records' handles
         self._pins = _PinLedger(decoder_ttl_s, max_blocks_per_engine, pinned_fraction)
+        self._shares = TenantShares(tenant_weights, tenant_max_sessions)
+        """Per tenant (`connector.shares`): shares of each engine's budget, kept sessions."""
         self.counts: Counter[str] = Counter()
+        self.tenant_counts: Counter[tuple[str, str]] = Counter()
+        """(tenant namespace, event): evictions for blocks and for the tenant's session limit."""
 
     # -- turns ---------------------------------------------------------------------
 
@@ -514,6 +525,7 @@ class HandleStore:
             reason = "no_conversation"
         else:
             self._records.move_to_end(session_id)
+            self._shares.touch(tenant_of(session_id), session_id)
             if record.handle is None:
                 reason = "no_handle"
             elif record.state is not HandleState.STORED:
@@ -547,8 +559,18 @@ class HandleStore:
             conversation_known=same,
         )
 
-    def end_turn(self, lease_id: int, outcome: TurnOutcome, conversation: Conversation | ConversationTail | None) -> None:
+    def end_turn(
+        self,
+        lease_id: int,
+        outcome: TurnOutcome,
+        conversation: Conversation | ConversationTail | None,
+        engine_blocks: int | None = None,
+    ) -> None:
         """Settle a lease: record what became of the claimed handle, store the new turn.
+
+        `engine_blocks`: the block count of the decode engine the new turn's handle pins
+        on, when the caller knows it. A store that has no budget for that engine (it was
+        restarted empty, or never told) takes it, as `set_engine_capacity` would.
 
         Called exactly once per `begin_turn`, on every path (the ingress uses `finally`).
         A late call (lease expired) or one for a session ended meanwhile stores nothing;
@@ -578,6 +600,8 @@ class HandleStore:
                 return
             base = lease.base
         if conversation is not None:
+            if engine_blocks and conversation.handle is not None and not self._pins.knows(conversation.handle.engine_id):
+                self._pins.set_capacity(conversation.handle.engine_id, engine_blocks)
             self.put(conversation, base)
 
     def put(self, conversation: Conversation, base: tuple[array, str | None] | None = None) -> None:
@@ -593,6 +617,8 @@ class HandleStore:
             self._remove(old)
         record = self._record(conversation, old, now, base)
         self._records[session_id] = record
+        tenant = tenant_of(session_id)
+        self._shares.touch(tenant, session_id)
         self._bytes += record.nbytes
         for key in record.token_keys:
             self._token_index.setdefault(key, {})[session_id] = None
@@ -601,10 +627,19 @@ class HandleStore:
         if record.handle is not None:
             self._states[HandleState.STORED] += 1
             self._pins.hold(record.handle)
+            self._shares.hold(record.handle.engine_id, tenant, record.handle.num_blocks)
             self._stored_on.setdefault(record.handle.engine_id, {})[session_id] = None
+            self._shares.stored(record.handle.engine_id, tenant, session_id)
             self._expiring[session_id] = record
             self.counts["stored"] += 1
             self._enforce_budget(record.handle.engine_id)
+        while (oldest := self._shares.over_session_limit(tenant)) is not None and oldest != session_id:
+            victim = self._records[oldest]
+            if victim.state is HandleState.STORED and victim.handle is not None:
+                self._leave(victim, HandleState.EVICTED)
+            self._remove(victim)
+            self.counts["sessions_evicted_for_tenant_limit"] += 1
+            self.tenant_counts[(tenant, "sessions_evicted")] += 1
         while self._records and (len(self._records) > self._max_sessions or self._bytes > self._max_bytes):
             victim = next(iter(self._records.values()))
             if len(self._records) <= self._max_sessions:
@@ -685,7 +720,16 @@ class HandleStore:
             "bytes": self._bytes,
             "bytes_per_session": self._bytes // sessions if sessions else 0,
             "counts": dict(self.counts),
+            "tenants": self._tenant_stats(),
         }
+
+    def _tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant namespace (a hash of its key, never the key): sessions kept, blocks
+        pinned, evictions."""
+        out = self._shares.stats()
+        for (tenant, event), n in self.tenant_counts.items():
+            out.setdefault(tenant, {"sessions": 0, "pinned_blocks": 0})[event] = n
+        return out
 
     # -- internals -----------------------------------------------------------------
 
@@ -799,6 +843,7 @@ class HandleStore:
             del stored[record.session_id]
             if not stored:
                 del self._stored_on[record.handle.engine_id]
+            self._shares.unstored(record.handle.engine_id, tenant_of(record.session_id), record.session_id)
         if self._records.get(record.session_id) is record:
             self._states[record.state] -= 1
             self._states[state] += 1
@@ -809,6 +854,7 @@ class HandleStore:
         self._transition(record, state)
         self.counts[state.value] += 1
         self._pins.let_go(record.handle, state, record.stored_at, record.decode_replica, self._clock())
+        self._shares.let_go(record.handle.engine_id, tenant_of(record.session_id), record.handle.num_blocks)
 
     def _settle(self, lease: _Lease, state: HandleState, now: float) -> None:
         """A claimed handle's lease ends: read, unused, failed (counted by state), or
@@ -817,6 +863,7 @@ class HandleStore:
         if state is not HandleState.EXPIRED:
             self.counts[state.value] += 1
         self._pins.let_go(lease.handle, state, lease.stored_at, lease.decode_replica, now)
+        self._shares.let_go(lease.handle.engine_id, tenant_of(lease.session_id), lease.handle.num_blocks)
         record = self._records.get(lease.session_id)
         if record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED:
             self._transition(record, state)
@@ -829,6 +876,7 @@ class HandleStore:
         """Take a record out of the map, its index entries and the bytes count."""
         session_id = record.session_id
         del self._records[session_id]
+        self._shares.forget(tenant_of(session_id), session_id)
         self._bytes -= record.nbytes
         if record.handle is not None:
             self._states[record.state] -= 1
@@ -855,13 +903,14 @@ class HandleStore:
         return lease
 
     def _enforce_budget(self, engine_id: str) -> None:
-        # The budget bounds blocks of waiting handles (stored or claimed); evicting the
-        # least recently stored ones lowers it. Unread blocks are being released.
+        # The budget bounds blocks of waiting handles (stored or claimed); evicting stored
+        # ones lowers it, the oldest of the tenant most over its share first
+        # (`TenantShares.victim`). Unread blocks are being released.
         budget = self._pins.budget(engine_id)
-        while self._pins.waiting[engine_id] > budget and engine_id in self._stored_on:
-            session_id = next(iter(self._stored_on[engine_id]))
+        while self._pins.waiting[engine_id] > budget and (session_id := self._shares.victim(engine_id)) is not None:
             self._leave(self._records[session_id], HandleState.EVICTED)
             self.counts["evicted_for_blocks"] += 1
+            self.tenant_counts[(tenant_of(session_id), "evicted_for_blocks")] += 1
 
     def _sweep(self) -> None:
         now = self._clock()

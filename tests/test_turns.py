@@ -24,7 +24,7 @@ import pytest
 from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
-from app.turns import Delta, LegPace, TurnInput, TurnResult, Turns
+from app.turns import DECODE_ATTEMPTS, Delta, LegPace, TurnInput, TurnResult, Turns
 from tests.conftest import config_with
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
@@ -128,6 +128,7 @@ class FakeEngines:
         alive = [r for r in self.decode_replicas if r not in self.dead]
         if request.preferred_replica in alive:
             return request.preferred_replica
+        alive = [r for r in alive if r not in request.avoid_replicas] or alive
         # Without a preference the router picks a healthy replica when there is one.
         healthy = [r for r in alive if r not in self.broken]
         return (healthy or alive)[0]
@@ -223,9 +224,9 @@ class LocalStore:
     async def begin_turn(self, session_id: str) -> Claim:
         return self.inner.begin_turn(session_id)
 
-    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None) -> None:
+    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks=None) -> None:
         self.ended.append((claim.session_id, outcome, conversation))
-        self.inner.end_turn(claim.lease_id, outcome, conversation)
+        self.inner.end_turn(claim.lease_id, outcome, conversation, engine_blocks)
 
     async def drop_engine(self, engine_id: str) -> int:
         self.dropped.append(engine_id)
@@ -548,27 +549,32 @@ async def test_decode_retried_when_preferred_replica_fails_before_output(model_d
     out2, ids2, r2 = await rig.turn(text=text2)
     (first, r_first), (retry, r_retry) = rig.engines.decode_requests[1:]
     assert (first.preferred_replica, r_first) == ("decode-0", "decode-0")
-    assert retry.preferred_replica is None and r_retry == "decode-1"
-    assert retry.request_id == first.request_id + "-retry"
-    assert retry.kv_params == first.kv_params
+    assert retry.preferred_replica is None and retry.avoid_replicas == ("decode-0",) and r_retry == "decode-1"
+    assert retry.request_id == first.request_id + "-retry1"
+    # Not the prefill engine's blocks again (the failed reader may have freed them):
+    # the survivor computes the prompt itself and keeps the turn's blocks.
+    assert first.kv_params["do_remote_prefill"] and retry.kv_params == local_decode_params()
     assert retry.prompt_token_ids == first.prompt_token_ids
     assert r2.decode_replica == "decode-1"
     assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
-    assert r2.cached_tokens == len(enc(P1)) + MAX_TOKENS - 1
-    assert rig.turns.counts["decode_retried"] == 1
+    assert r2.cached_tokens == 0 and r2.reused_from_decode == 0  # decode-1 held nothing of it
+    assert rig.turns.counts["decode_retried"] == 1 and rig.turns.counts["decode_restarted"] == 0
     assert rig.store.ended[-1][1] is TurnOutcome.PULLED
     assert rig.store.ended[-1][2].decode_replica == "decode-1"
     assert rig.store.ended[-1][2].handle.engine_id == "d-decode-1"
 
 
-async def test_decode_failing_twice_before_output_is_a_502(model_dir):
+async def test_decode_failing_on_every_attempt_is_a_502(model_dir):
     rig = Rig(model_dir)
     rig.engines.broken.update(["decode-0", "decode-1"])
     with pytest.raises(APIError) as err:
         await rig.turn(text=P1)
     assert (err.value.status, err.value.code) == (502, "decode_failed")
-    assert len(rig.engines.decode_requests) == 2
-    assert rig.turns.counts["decode_retried"] == 1 and rig.turns.counts["decode_failed"] == 1
+    assert len(rig.engines.decode_requests) == DECODE_ATTEMPTS
+    # A first turn names no replica, and one that fails before output does not say
+    # which it was: the router's own view of dead replicas steers those retries.
+    assert [r.request_id for r, _ in rig.engines.decode_requests] == ["req-1", "req-1-retry1", "req-1-retry2"]
+    assert rig.turns.counts["decode_retried"] == DECODE_ATTEMPTS - 1 and rig.turns.counts["decode_failed"] == 1
     assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
     assert rig.store.stats()["open_leases"] == 0
     # The next turn of the session, on a healthy replica, answers.
@@ -580,20 +586,48 @@ async def test_decode_failing_twice_before_output_is_a_502(model_dir):
 async def test_decode_retried_without_preferred_replica(model_dir):
     rig = Rig(model_dir)
     rig.engines.broken.add("decode-0")
-    rig.engines._pick = lambda request: "decode-0" if not request.request_id.endswith("-retry") else "decode-1"
+    rig.engines._pick = lambda request: "decode-0" if "-retry" not in request.request_id else "decode-1"
     _, ids, r = await rig.turn(text=P1)
     assert r.decode_replica == "decode-1" and rig.turns.counts["decode_retried"] == 1
     assert ids == expected_answer(rig.engines, len(r.prompt_token_ids))[1]
 
 
-async def test_decode_not_retried_after_output(model_dir):
+async def test_streamed_decode_not_retried_after_output(model_dir):
     rig = Rig(model_dir)
     text1, _, _ = await rig.turn(text=P1)
     rig.engines.fail_mid_stream = True
-    with pytest.raises(APIError):
+    with pytest.raises(APIError) as err:
         await rig.turn(text=P1 + text1 + USER2)
     assert len(rig.engines.decode_requests) == 2
     assert rig.turns.counts["decode_retried"] == 0
+    assert err.value.body()["kvturn"] == {"decode_replica": "decode-0"}
+
+
+async def test_unstreamed_turn_whose_decode_fails_midway_is_computed_again(model_dir):
+    """Nothing reached the client of a turn that does not stream: a replica that dies
+    midway costs a recompute on another replica, never an error, and the answer holds
+    only the second attempt's tokens."""
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    failing = rig.engines.decode
+
+    async def decode(request):  # the session's replica dies after its first chunk
+        rig.engines.fail_mid_stream = request.preferred_replica == "decode-0"
+        async for item in failing(request):
+            yield item
+
+    rig.engines.decode = decode
+    events = [e async for e in rig.turns.run(rig.input(text=P1 + text1 + USER2, stream=False))]
+    deltas, result = events[:-1], events[-1]
+    assert isinstance(result, TurnResult) and all(isinstance(d, Delta) for d in deltas)
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == expected_answer(rig.engines, result.prompt_tokens)[1]
+    assert result.decode_replica == "decode-1" and result.completion_tokens == len(ids)
+    assert rig.turns.counts["decode_retried"] == 1 and rig.turns.counts["decode_restarted"] == 1
+    assert rig.turns.counts["decode_failed"] == 0
+    (first, r_first), (retry, r_retry) = rig.engines.decode_requests[1:]
+    assert (r_first, r_retry) == ("decode-0", "decode-1") and retry.kv_params == local_decode_params()
+    assert rig.store.ended[-1][2].decode_replica == "decode-1"
 
 
 async def test_context_too_long(model_dir):
@@ -941,9 +975,9 @@ class FailingStore(LocalStore):
         self._check("begin_turn")
         return await super().begin_turn(session_id)
 
-    async def end_turn(self, claim, outcome, conversation):
+    async def end_turn(self, claim, outcome, conversation, engine_blocks=None):
         self._check("end_turn")
-        return await super().end_turn(claim, outcome, conversation)
+        return await super().end_turn(claim, outcome, conversation, engine_blocks)
 
 
 def failing_store_rig(model_dir, failing: set[str]) -> Rig:

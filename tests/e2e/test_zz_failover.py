@@ -93,6 +93,41 @@ def test_decode_replica_killed_mid_stream(apps):
     assert again.token_ids == reference_tokens(url, again.prompt_token_ids, len(again.token_ids))
 
 
+def test_unstreamed_turn_outlives_its_decode_replica(apps):
+    """A turn that does not stream has sent nothing when its decode replica dies midway:
+    a surviving replica computes it again, and the client gets the whole answer."""
+    import threading
+
+    url = apps["url"]
+    _wait_running("DecodeServer", 2)  # the replica killed above is back
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Lose the replica, not the answer. " * 2}]
+    first = chat(url, msgs, session="unstreamed", max_tokens=8)
+    victim = first.kvturn["decode_replica"]
+    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now a long answer, please."}]
+    before = kv_stats(url)["turns"]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 800, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    reply: dict = {}
+
+    def send():
+        reply["r"] = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": "unstreamed"}, timeout=300)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.5)  # the prefill leg is done and decode is generating (800 tokens take seconds)
+    assert "r" not in reply, "the answer finished before the replica could be killed"
+    ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
+    sender.join()
+    r = reply["r"]
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["kvturn"]["decode_replica"] != victim
+    ids = b["choices"][0]["token_ids"]
+    assert len(ids) == 800 and ids == reference_tokens(url, b["prompt_token_ids"], 800)
+    after = kv_stats(url)["turns"]
+    assert after.get("decode_restarted", 0) - before.get("decode_restarted", 0) == 1, (before, after)
+    assert after.get("decode_failed", 0) == before.get("decode_failed", 0)
+
+
 def test_prefill_pool_lost_decode_computes_the_turn(apps):
     url = apps["url"]
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Survive a lost prefill pool. " * 3}]
