@@ -126,6 +126,7 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
     """The handle store's settings for a config (the builder binds `SessionStore` with
     them; the ingress checks the running store has them)."""
     s = cfg.sessions
+    tenants = ApiKeys.of(cfg.access).tenants()
     return StoreSettings(
         handle_ttl_s=s.handle_ttl_s,
         decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
@@ -135,6 +136,8 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
         pinned_fraction=s.pinned_fraction,
         shards=s.store_shards,
         max_store_bytes=s.max_store_bytes,
+        tenant_weights=tuple((t.namespace, t.policy.weight) for t in tenants if t.policy.weight != 1.0),
+        tenant_max_sessions=tuple((t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions),
     )
 
 
@@ -219,14 +222,23 @@ class Ingress:
     @api.get("/v1/kv/stats")
     async def kv_stats(self, request: Request):
         """Reuse counters: this ingress replica's turns, the handle store, the engines.
-        404 when `access.expose_kv_stats` is off."""
+        404 when `access.expose_kv_stats` is off. With API keys, the store's per-tenant
+        figures show the caller's own tenant only."""
         try:
-            self._keys.namespace(request.headers.get("authorization"))
+            tenant = self._keys.tenant(request.headers.get("authorization"))
             if not self._cfg.access.expose_kv_stats:
                 raise APIError(404, "Not Found", type="NotFoundError")
         except APIError as exc:
             return _error_response(exc)
-        return await self.stats()
+        stats = await self.stats()
+        if self._keys.enabled:
+            for shard in (stats.get("store") or {}).get("shards", []):
+                own = (shard.get("tenants") or {}).get(tenant.namespace)
+                shard["tenants"] = {tenant.namespace: own} if own else {}
+            stats["quota_refusals"] = {q: n for (t, q), n in self._quotas.refused.items() if t == tenant.label}
+        else:
+            stats["quota_refusals"] = {f"{t}/{q}": n for (t, q), n in self._quotas.refused.items()}
+        return stats
 
     async def _http(self, request: Request, model_cls, events, kind: str):
         try:

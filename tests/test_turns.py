@@ -1197,3 +1197,12 @@ async def test_a_failed_decode_local_turn_leaves_nothing_in_flight(model_dir):
         await rig.turn(text=P1 + text1 + USER2)
     assert rig.turns.counts["decode_local"] == 2
     assert rig.turns.local_pace[r1.decode_replica].tokens_in_flight == 0
+
+
+async def test_every_engine_request_of_a_turn_carries_its_tenants_cache_salt(model_dir):
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1, cache_salt="salt-a")
+    rig.engines.broken.add("decode-0")  # the next turn's decode is retried elsewhere
+    await rig.turn(text=P1 + text1 + USER2, cache_salt="salt-a")
+    requests = rig.engines.prefill_requests + [r for r, _ in rig.engines.decode_requests]
+    assert len(requests) == 5 and {r.cache_salt for r in requests} == {"salt-a"}
