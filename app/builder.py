@@ -45,14 +45,32 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
     return deployment.options(**options)
 
 
+def bound_config(cfg: AppConfig) -> AppConfig:
+    """The config the deployments' constructors get: replica counts left out (set to 1).
+
+    Serve restarts a deployment's replicas when its constructor arguments change, but
+    only adds or removes replicas when `num_replicas` alone changes. Counts live in each
+    deployment's options, so a redeploy with another count of one role scales that role
+    and leaves every other replica, and the KV it holds, running."""
+    one = {"num_replicas": 1}
+    return cfg.model_copy(
+        update={
+            "prefill": cfg.prefill.model_copy(update=one),
+            "decode": cfg.decode.model_copy(update=one),
+            "ingress": cfg.ingress.model_copy(update=one),
+        }
+    )
+
+
 def build(cfg: AppConfig) -> Application:
     """Bind the app graph for a validated config."""
     transfer = cfg.disaggregated
-    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(cfg, cfg.decode, transfer=transfer)
+    bound = bound_config(cfg)
+    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(bound, bound.decode, transfer=transfer)
     prefill = None
     if cfg.mode is not Mode.SINGLE:
         sticky = cfg.sessions.prefill_routing == "sticky"
-        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(cfg, cfg.prefill, transfer=True)
+        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(bound, bound.prefill, transfer=True)
     store = None
     if cfg.mode is not Mode.ONEWAY:
         # Part of the graph: its settings follow every deploy, and it goes with the app.
@@ -63,7 +81,7 @@ def build(cfg: AppConfig) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     )
-    return ingress.bind(cfg, prefill, decode, store)
+    return ingress.bind(bound, prefill, decode, store, ingress_replicas=cfg.ingress.num_replicas)
 
 
 def graph(args: Mapping[str, Any]) -> Application:

@@ -156,6 +156,7 @@ class Ingress:
         prefill: DeploymentHandle | None,
         decode: DeploymentHandle,
         store: DeploymentHandle | None = None,
+        ingress_replicas: int = 1,
     ):
         self._cfg = cfg
         self._prefill = prefill
@@ -166,7 +167,7 @@ class Ingress:
         store = self._store
         app_name = serve.get_replica_context().app_name
         self._keys = ApiKeys.of(cfg.access)
-        self._quotas = Quotas(cfg.ingress.num_replicas)
+        self._quotas = Quotas(ingress_replicas)
         self._metrics = metrics.TurnMetrics(cfg.mode.value)
         timed_store = metrics.TimedStore(store) if store is not None else None
         self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), timed_store, self._tok)

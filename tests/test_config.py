@@ -179,3 +179,34 @@ def test_config_is_frozen(model_dir):
     cfg = AppConfig.model_validate({"model": model_dir})
     with pytest.raises(ValidationError):
         cfg.max_model_len = 10
+
+
+def _deployments(app) -> dict:
+    """name -> (num_replicas, constructor args) of an app graph's deployments."""
+    from ray.serve.deployment import Application
+
+    out, todo = {}, [app]
+    while todo:
+        node = todo.pop()._bound_deployment
+        out[node.name] = (node.num_replicas, node.init_args, node.init_kwargs)
+        todo += [a for a in (*node.init_args, *node.init_kwargs.values()) if isinstance(a, Application)]
+    return out
+
+
+def test_a_new_replica_count_changes_only_that_deployments_options(tmp_path):
+    """Serve restarts a deployment's replicas when its constructor arguments change: with
+    only a count changed, every constructor gets equal arguments and the roles that kept
+    their count (and the KV they hold) keep running."""
+    from app.builder import build
+
+    base = {"model": str(tmp_path), "decode": {"num_replicas": 2}, "prefill": {"num_replicas": 1}}
+    before = _deployments(build(AppConfig.model_validate(base)))
+    after = _deployments(build(AppConfig.model_validate({**base, "decode": {"num_replicas": 1}, "prefill": {"num_replicas": 3}})))
+    assert set(before) == set(after) == {"Ingress", "DecodeServer", "PrefillServer", "SessionStore"}
+    assert (before["DecodeServer"][0], after["DecodeServer"][0]) == (2, 1)
+    assert (before["PrefillServer"][0], after["PrefillServer"][0]) == (1, 3)
+    for name in before:
+        _, args_before, kwargs_before = before[name]
+        _, args_after, kwargs_after = after[name]
+        plain = lambda args: [a for a in args if not hasattr(a, "_bound_deployment")]  # noqa: E731
+        assert plain(args_before) == plain(args_after) and kwargs_before == kwargs_after, name
