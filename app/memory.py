@@ -55,6 +55,9 @@ class DecodeMemoryClients(Protocol):
 
 CAPACITY_SYNC_S = 10.0
 """How often an ingress replica tells the store the block count of every live decode engine."""
+REPLICA_CALL_TIMEOUT_S = 10.0
+"""Deadline of one call to a decode replica from the background work here (a replica that
+died mid-call must not stall the releases and syncs behind it)."""
 
 
 class MemoryStore(Protocol):
@@ -102,7 +105,7 @@ class DecodeMemory:
         if not hasattr(self._clients, "decode_kv_blocks"):
             return None
         try:
-            blocks = await self._clients.decode_kv_blocks(conversation.decode_replica)
+            blocks = await asyncio.wait_for(self._clients.decode_kv_blocks(conversation.decode_replica), REPLICA_CALL_TIMEOUT_S)
         except Exception:
             logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
             self.counts["capacity_unknown"] += 1
@@ -124,7 +127,7 @@ class DecodeMemory:
             self._blocks.pop(self._engine_of.pop(gone), None)
         for replica in sorted(set(replicas) - set(self._engine_of)):
             try:
-                blocks = await self._clients.decode_kv_blocks(replica)
+                blocks = await asyncio.wait_for(self._clients.decode_kv_blocks(replica), REPLICA_CALL_TIMEOUT_S)
             except Exception as exc:
                 logger.warning("could not read the KV blocks of decode replica %s: %r", replica, exc)
                 continue
@@ -136,6 +139,7 @@ class DecodeMemory:
             try:
                 await self._store.set_engine_capacity(engine_id, self._blocks[engine_id])
                 told += 1
+                self.counts["capacity_synced"] += 1
             except Exception as exc:
                 logger.warning("could not tell the store the capacity of %s: %r", engine_id, exc)
                 self.counts["capacity_sync_error"] += 1
@@ -174,7 +178,8 @@ class DecodeMemory:
             released = 0
             for replica, batch in by_replica.items():
                 try:
-                    done = set(await self._clients.release(replica, [r.request_id for r in batch]))
+                    call = self._clients.release(replica, [r.request_id for r in batch])
+                    done = set(await asyncio.wait_for(call, REPLICA_CALL_TIMEOUT_S))
                 except Exception:
                     logger.exception("release on decode replica %s failed", replica)
                     self.counts["release_engine_error"] += len(batch)
@@ -194,7 +199,18 @@ class DecodeMemory:
         synced = loop.time()
         while True:
             await asyncio.sleep(self._cfg.sessions.release_interval_s)
-            await self.flush()
-            if loop.time() - synced >= CAPACITY_SYNC_S:
-                synced = loop.time()
-                await self.sync_capacities()
+            try:
+                await self.flush()
+                if loop.time() - synced >= CAPACITY_SYNC_S:
+                    synced = loop.time()
+                    await self.sync_capacities()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this ticker was cancelled
+                logger.warning("a decode-memory tick was cut short by a cancelled call")
+            except Exception:
+                # A tick that fails must not end the ticker: nothing else frees expired
+                # pins early or syncs budgets while no turn comes.
+                logger.exception("decode-memory tick failed")
+                self.counts["memory_tick_error"] += 1

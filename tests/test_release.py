@@ -370,3 +370,40 @@ def test_store_end_session_and_pin_remaining():
     assert store.end_session("b") is False
     assert [(r.request_id, r.reason) for r in store.take_releases()] == [("req-b", "ended")]
     assert store.begin_turn("b").miss_reason == "no_conversation"
+
+
+async def test_the_ticker_outlives_a_failing_tick_and_a_hung_replica(monkeypatch):
+    """Nothing but the ticker frees expired pins early and syncs budgets while no turn
+    comes: a tick that raises, or a replica call that never answers, must not end it."""
+    from app import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "CAPACITY_SYNC_S", 0.05)
+    monkeypatch.setattr(memory_module, "REPLICA_CALL_TIMEOUT_S", 0.05)
+    replicas = FakeDecodeReplicas({"d0": set(), "d1": set()})
+    hung = asyncio.Event()
+
+    async def kv_blocks(replica_id):
+        if replica_id == "d1" and not hung.is_set():
+            await asyncio.Event().wait()  # the first call to d1 never answers
+        return {"engine_id": f"engine-{replica_id}", "total": 300}
+
+    replicas.decode_kv_blocks = kv_blocks
+    store = CapacityStore()
+    failures = iter([RuntimeError("store gone")])
+
+    async def take_releases():
+        for exc in failures:
+            raise exc
+        return []
+
+    store.take_releases = take_releases
+    counts: Counter = Counter()
+    memory = DecodeMemory(cfg_for_memory(release_interval_s=0.02), replicas, store, counts)
+    memory._start_ticker()
+    await asyncio.sleep(0.3)
+    assert store.capacity == {"engine-d0": 300}  # d1 hung, the ticker went on
+    hung.set()
+    await asyncio.sleep(0.3)
+    assert store.capacity == {"engine-d0": 300, "engine-d1": 300}
+    assert not memory._ticker.done() and counts["release_store_error"] == 1
+    memory._ticker.cancel()
