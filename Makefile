@@ -13,7 +13,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NIXL_VERSION := 1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: setup model run test test-unit bench clean
+.PHONY: setup model run lint test test-unit bench clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,13 @@ model: $(MODEL_DIR)/config.json
 run: $(STAMP) $(MODEL_DIR)/config.json
 	UCX_NET_DEVICES=$${UCX_NET_DEVICES:-lo} $(VENV)/bin/serve run app:graph $(ARGS)
 
-test: $(STAMP) $(MODEL_DIR)/config.json
+# Lint, format and types (config in pyproject.toml); `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint $(MODEL_DIR)/config.json
 	$(PY) -m pytest -v -rs $(PYTEST_ARGS)
 
 test-unit: $(STAMP)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from app.config import TenantPolicy
 from app.protocol import APIError
@@ -81,14 +81,15 @@ class ApiKeys:
         policies = policies or {}
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
         self._tenants = [
-            Tenant(namespace_of(k), None if share_prefix_cache else salt_of(k), policies.get(k, default)) for k in keys
+            Tenant(namespace_of(k), None if share_prefix_cache else salt_of(k), policies.get(k, default))
+            for k in keys
         ]
         trusted_salt = None if share_prefix_cache else hashlib.sha256(_SALT_LABEL + b" internal").hexdigest()
         self._trusted = Tenant(TRUSTED_NAMESPACE, trusted_salt, default)
         self._open = Tenant("", None, default)
 
     @classmethod
-    def of(cls, access) -> "ApiKeys":
+    def of(cls, access) -> ApiKeys:
         """From the app's `AccessConfig`."""
         return cls(access.api_keys, access.tenants, access.default_tenant, access.share_prefix_cache)
 

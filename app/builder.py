@@ -1,14 +1,15 @@
 """The composition root: the only place deployments are wired together.
 
-    serve run app:graph                                   # defaults: embedded tiny model
-    serve run app:graph model=Qwen/Qwen3-8B prefill.num_replicas=2
-    serve run app:graph config=my-config.yaml
-    serve deploy serve.yaml                               # import_path: app:graph, args: {...}
+serve run app:graph                                   # defaults: embedded tiny model
+serve run app:graph model=Qwen/Qwen3-8B prefill.num_replicas=2
+serve run app:graph config=my-config.yaml
+serve deploy serve.yaml                               # import_path: app:graph, args: {...}
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -66,11 +67,15 @@ def build(cfg: AppConfig) -> Application:
     """Bind the app graph for a validated config."""
     transfer = cfg.disaggregated
     bound = bound_config(cfg)
-    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(bound, bound.decode, transfer=transfer)
+    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(
+        bound, bound.decode, transfer=transfer
+    )
     prefill = None
     if cfg.mode is not Mode.SINGLE:
         sticky = cfg.sessions.prefill_routing == "sticky"
-        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(bound, bound.prefill, transfer=True)
+        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(
+            bound, bound.prefill, transfer=True
+        )
     store = None
     if cfg.mode is not Mode.ONEWAY:
         # Part of the graph: its settings follow every deploy, and it goes with the app.

@@ -8,8 +8,9 @@ constructors. Every field says what it does; bad values stop `serve run` with a 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -47,7 +48,9 @@ class EngineRoleConfig(_Strict):
     )
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching on this role.")
     kv_cache_memory_bytes: int | None = Field(
-        None, ge=1 << 20, description="KV cache size per engine (CPU: host RAM). None: vLLM's sizing on GPU, 1 GiB on CPU."
+        None,
+        ge=1 << 20,
+        description="KV cache size per engine (CPU: host RAM). None: vLLM's sizing on GPU, 1 GiB on CPU.",
     )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -86,7 +89,8 @@ class TransferConfig(_Strict):
     """How KV moves between engines (vLLM NixlConnector)."""
 
     backend: Literal["UCX", "LIBFABRIC"] = Field(
-        "UCX", description="NIXL backend. UCX works everywhere (EFA via UCX's srd transport); LIBFABRIC for EFA."
+        "UCX",
+        description="NIXL backend. UCX works everywhere (EFA via UCX's srd transport); LIBFABRIC for EFA.",
     )
     kv_buffer_device: Literal["cpu", "cuda"] | None = Field(
         None, description="Where NIXL reads KV from. None: 'cuda' on GPU machines, 'cpu' otherwise."
@@ -157,7 +161,10 @@ class TransferConfig(_Strict):
         ),
     )
     side_channel_base_port: int = Field(
-        5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each node; each replica takes a free one."
+        5600,
+        ge=1024,
+        le=65000,
+        description="First NIXL side-channel port tried on each node; each replica takes a free one.",
     )
     pin_margin_s: float = Field(
         6.0,
@@ -196,9 +203,13 @@ class SessionConfig(_Strict):
         ),
     )
     handle_ttl_s: float = Field(
-        420.0, gt=0, description="How long a stored KV handle may be used; must be below decoder_kv_blocks_ttl_s."
+        420.0,
+        gt=0,
+        description="How long a stored KV handle may be used; must be below decoder_kv_blocks_ttl_s.",
     )
-    max_sessions: int = Field(10_000, ge=1, description="Conversations kept (LRU); older ones lose their handle.")
+    max_sessions: int = Field(
+        10_000, ge=1, description="Conversations kept (LRU); older ones lose their handle."
+    )
     max_store_bytes: int = Field(
         4 << 30,
         ge=1 << 20,
@@ -247,7 +258,8 @@ class SessionConfig(_Strict):
         description="Ray resources of the SessionStore replica (placement, e.g. {'head': 0.01}); its shards run beside it.",
     )
     prefill_routing: Literal["least_loaded", "sticky"] = Field(
-        "least_loaded", description="Prefill replica choice: least loaded, or the one that served the session last."
+        "least_loaded",
+        description="Prefill replica choice: least loaded, or the one that served the session last.",
     )
 
 
@@ -269,13 +281,17 @@ class TenantPolicy(_Strict):
         ),
     )
     max_sessions: int | None = Field(
-        None, ge=1, description="Conversations kept for the tenant; past it its least recently used is forgotten."
+        None,
+        ge=1,
+        description="Conversations kept for the tenant; past it its least recently used is forgotten.",
     )
     max_concurrent_turns: int | None = Field(
         None, ge=1, description="Turns in flight at once; more are refused with 429 and Retry-After."
     )
     prompt_tokens_per_minute: int | None = Field(
-        None, ge=1, description="Prompt tokens accepted per rolling minute; more are refused with 429 and Retry-After."
+        None,
+        ge=1,
+        description="Prompt tokens accepted per rolling minute; more are refused with 429 and Retry-After.",
     )
 
 
@@ -289,12 +305,16 @@ class AccessConfig(_Strict):
             "'Authorization: Bearer <key>', and each key's sessions live in a namespace of their own."
         ),
     )
-    expose_kv_stats: bool = Field(True, description="Serve GET /v1/kv/stats (reuse counters and the store's state).")
+    expose_kv_stats: bool = Field(
+        True, description="Serve GET /v1/kv/stats (reuse counters and the store's state)."
+    )
     tenants: dict[str, TenantPolicy] = Field(
-        default_factory=dict, description="Per API key: its weight and quotas (keys not listed get default_tenant)."
+        default_factory=dict,
+        description="Per API key: its weight and quotas (keys not listed get default_tenant).",
     )
     default_tenant: TenantPolicy = Field(
-        default_factory=TenantPolicy, description="Weight and quotas of keys not in `tenants`, and of trusted handle callers."
+        default_factory=TenantPolicy,
+        description="Weight and quotas of keys not in `tenants`, and of trusted handle callers.",
     )
     share_prefix_cache: bool = Field(
         False,
@@ -320,7 +340,7 @@ class AccessConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _tenants_are_keys(self) -> "AccessConfig":
+    def _tenants_are_keys(self) -> AccessConfig:
         unknown = [k for k in self.tenants if k not in self.api_keys]
         if unknown:
             raise ValueError(f"access.tenants names {len(unknown)} key(s) that are not in access.api_keys")
@@ -357,7 +377,9 @@ class OpenAIConfig(_Strict):
     max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body; larger ones get 413.")
     max_messages: int = Field(4096, ge=1, description="Most messages in one chat request.")
     max_session_id_chars: int = Field(256, ge=8, description="Longest session id header value.")
-    max_logprobs: int = Field(20, ge=0, le=20, description="Largest top_logprobs (completions: logprobs) accepted.")
+    max_logprobs: int = Field(
+        20, ge=0, le=20, description="Largest top_logprobs (completions: logprobs) accepted."
+    )
 
 
 class AppConfig(_Strict):
@@ -365,12 +387,17 @@ class AppConfig(_Strict):
 
     mode: Mode = Field(Mode.BIDIR, description="bidir (this project), oneway (plain P/D) or single (no P/D).")
     model: str = Field(
-        str(DEFAULT_MODEL), description="Hugging Face model id or local path. Default: the embedded tiny model."
+        str(DEFAULT_MODEL),
+        description="Hugging Face model id or local path. Default: the embedded tiny model.",
     )
-    served_model_name: str | None = Field(None, description="Name clients use in `model`. Default: the model's name.")
+    served_model_name: str | None = Field(
+        None, description="Name clients use in `model`. Default: the model's name."
+    )
     tokenizer: str | None = Field(None, description="Tokenizer id or path. Default: the model's.")
     dtype: str = Field("auto", description="vLLM dtype, e.g. bfloat16.")
-    load_format: str = Field("auto", description="vLLM load format; 'dummy' for random weights from a config.")
+    load_format: str = Field(
+        "auto", description="vLLM load format; 'dummy' for random weights from a config."
+    )
     max_model_len: int = Field(4096, ge=16, description="Longest prompt + answer, in tokens.")
     block_size: int = Field(32, ge=1, description="KV block size; equal on prefill and decode.")
     enforce_eager: bool = Field(False, description="Skip graph compilation (faster start, slower steps).")
@@ -384,7 +411,8 @@ class AppConfig(_Strict):
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     app_name: str = Field("default", description="Serve application name the graph is deployed under.")
     env: dict[str, str] = Field(
-        default_factory=dict, description="Environment for engine replicas (e.g. UCX_NET_DEVICES, FI_PROVIDER)."
+        default_factory=dict,
+        description="Environment for engine replicas (e.g. UCX_NET_DEVICES, FI_PROVIDER).",
     )
 
     @field_validator("model")
@@ -398,14 +426,17 @@ class AppConfig(_Strict):
         return str(path) if looks_local else value
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "AppConfig":
+    def _cross_checks(self) -> AppConfig:
         if self.sessions.handle_ttl_s >= self.transfer.decoder_kv_blocks_ttl_s:
             raise ValueError(
                 "sessions.handle_ttl_s must be shorter than transfer.decoder_kv_blocks_ttl_s "
                 f"({self.sessions.handle_ttl_s} >= {self.transfer.decoder_kv_blocks_ttl_s}): "
                 "a handle must never outlive the blocks it points to"
             )
-        if self.prefill.tensor_parallel_size != self.decode.tensor_parallel_size and self.mode is not Mode.SINGLE:
+        if (
+            self.prefill.tensor_parallel_size != self.decode.tensor_parallel_size
+            and self.mode is not Mode.SINGLE
+        ):
             # NixlConnector maps TP ranks for homogeneous layouts only in our tested set-up.
             raise ValueError("prefill and decode must use the same tensor_parallel_size")
         if self.default_max_tokens >= self.max_model_len:
@@ -425,7 +456,7 @@ class AppConfig(_Strict):
         return self.mode is not Mode.SINGLE
 
     @classmethod
-    def from_args(cls, args: Mapping[str, Any] | None) -> "AppConfig":
+    def from_args(cls, args: Mapping[str, Any] | None) -> AppConfig:
         """Build from `serve run app:graph key=value ...` arguments or a Serve config's `args`.
 
         Keys may be dotted (`prefill.num_replicas=2`); `config=path.yaml` loads a file first,

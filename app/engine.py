@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, Protocol
 
 from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
 from app.registry import NodeRegistry
@@ -248,7 +249,9 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         )
         if cfg.transfer.host_offload_bytes:
             if current_platform.is_cpu():
-                raise ValueError("transfer.host_offload_bytes needs accelerator engines: on CPU the KV cache already is host memory")
+                raise ValueError(
+                    "transfer.host_offload_bytes needs accelerator engines: on CPU the KV cache already is host memory"
+                )
             kv_transfer_config = with_host_offload(kv_transfer_config, cfg.transfer.host_offload_bytes)
     kwargs: dict[str, Any] = dict(
         model=cfg.model,
@@ -274,7 +277,9 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
     return AsyncEngineArgs(**kwargs)
 
 
-def plugin_env(transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer: bool, cpu: bool) -> dict[str, str | None]:
+def plugin_env(
+    transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer: bool, cpu: bool
+) -> dict[str, str | None]:
     """What `connector.vllm_plugin` and `connector.release` read in an engine's processes,
     for an engine of `role` (None: unset the variable). Set by `VLLMEngine.start` before
     vLLM spawns the engine core; `bench.prefill_cost` runs its engines with it too.
@@ -357,17 +362,23 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cpu_plan = self._size_cpu()
-        apply_env(plugin_env(self._cfg.transfer, self._role, transfer=self._transfer, cpu=self.cpu_plan is not None))
+        apply_env(
+            plugin_env(self._cfg.transfer, self._role, transfer=self._transfer, cpu=self.cpu_plan is not None)
+        )
         for key, value in self._cfg.env.items():  # the app's `env` has the last word
             os.environ[key] = value
         if self._transfer:
             # Read by the engine-core process vLLM spawns next: its NIXL side channel.
-            port = reserve_port_block(self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size)
+            port = reserve_port_block(
+                self._cfg.transfer.side_channel_base_port, self._role.tensor_parallel_size
+            )
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._node_ip
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
             self.side_channel = (self._node_ip, port)
         args = engine_args(self._cfg, self._role, engine_id=self.engine_id, transfer=self._transfer)
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory(), *self._metrics_loggers()])
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[self._stat_logger_factory(), *self._metrics_loggers()]
+        )
         # One ordinary request before any transfer: a CPU worker was seen to crash on its
         # first request after a NIXL read otherwise.
         warm = EngineRequest("warmup-" + uuid.uuid4().hex, tuple(range(1, 9)), Sampling(max_tokens=2))
@@ -377,7 +388,7 @@ class VLLMEngine:
         blocks = self._llm.vllm_config.cache_config.num_gpu_blocks
         self.kv_blocks_total = blocks - 1 if blocks else None
 
-    def _size_cpu(self) -> "CpuPlan | None":
+    def _size_cpu(self) -> CpuPlan | None:
         """On CPU, give the engine its own thread count and binding (`app.sizing`), unless
         the app's `env` sets them explicitly. Returns the plan applied, if any."""
         from vllm.platforms import current_platform
@@ -478,7 +489,9 @@ class VLLMEngine:
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=out.num_cached_tokens or 0,
                 kv_params=out.kv_transfer_params if out.finished else None,
-                logprobs=_logprobs(completion.token_ids, completion.logprobs, params.logprobs) if params.logprobs is not None else None,
+                logprobs=_logprobs(completion.token_ids, completion.logprobs, params.logprobs)
+                if params.logprobs is not None
+                else None,
                 engine_timings=timings,
             )
 

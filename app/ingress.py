@@ -12,15 +12,16 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics, openai_api
 from app.auth import ApiKeys, Tenant, scoped
@@ -74,9 +75,15 @@ class _HFTokenizer:
 
     def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> str:
         try:
-            return self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **(kwargs or {}))
+            return self._tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(kwargs or {})
+            )
         except Exception as exc:  # template errors are the client's messages' fault
-            raise APIError(400, f"messages could not be rendered by the chat template: {str(exc)[:300]}", param="messages")
+            raise APIError(
+                400,
+                f"messages could not be rendered by the chat template: {str(exc)[:300]}",
+                param="messages",
+            )
 
     @property
     def hf(self):
@@ -137,7 +144,9 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
         shards=s.store_shards,
         max_store_bytes=s.max_store_bytes,
         tenant_weights=tuple((t.namespace, t.policy.weight) for t in tenants if t.policy.weight != 1.0),
-        tenant_max_sessions=tuple((t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions),
+        tenant_max_sessions=tuple(
+            (t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions
+        ),
     )
 
 
@@ -170,7 +179,12 @@ class Ingress:
         self._quotas = Quotas(ingress_replicas)
         self._metrics = metrics.TurnMetrics(cfg.mode.value)
         timed_store = metrics.TimedStore(store) if store is not None else None
-        self._turns = Turns(cfg, ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")), timed_store, self._tok)
+        self._turns = Turns(
+            cfg,
+            ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer")),
+            timed_store,
+            self._tok,
+        )
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -236,7 +250,9 @@ class Ingress:
             for shard in (stats.get("store") or {}).get("shards", []):
                 own = (shard.get("tenants") or {}).get(tenant.namespace)
                 shard["tenants"] = {tenant.namespace: own} if own else {}
-            stats["quota_refusals"] = {q: n for (t, q), n in self._quotas.refused.items() if t == tenant.label}
+            stats["quota_refusals"] = {
+                q: n for (t, q), n in self._quotas.refused.items() if t == tenant.label
+            }
         else:
             stats["quota_refusals"] = {f"{t}/{q}": n for (t, q), n in self._quotas.refused.items()}
         return stats
@@ -246,7 +262,11 @@ class Ingress:
             tenant = self._keys.tenant(request.headers.get("authorization"))
             session_id = request.headers.get(self._cfg.sessions.session_header)
             if session_id is not None and not 0 < len(session_id) <= self._cfg.openai.max_session_id_chars:
-                raise APIError(400, f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters", param=self._cfg.sessions.session_header)
+                raise APIError(
+                    400,
+                    f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters",
+                    param=self._cfg.sessions.session_header,
+                )
             data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
             body = model_cls.model_validate(data)
             prepared = await self._prepare(body, session_id, events, tenant, stream=bool(body.stream))
@@ -257,7 +277,9 @@ class Ingress:
                 first = await anext(chunks)
                 return StreamingResponse(self._sse(first, chunks), media_type="text/event-stream")
             result = await self._collect(kind, body, prepared)
-            return JSONResponse(result, headers={self._cfg.sessions.session_header: result["kvturn"]["session_id"]})
+            return JSONResponse(
+                result, headers={self._cfg.sessions.session_header: result["kvturn"]["session_id"]}
+            )
         except Exception as exc:
             return _error_response(exc)
 
@@ -267,18 +289,32 @@ class Ingress:
 
     async def chat(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
         """Non-streaming chat completion for `DeploymentHandle` callers. Raises APIError."""
-        return await self._call(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key)
+        return await self._call(
+            ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key
+        )
 
-    async def chat_stream(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> AsyncIterator[dict]:
+    async def chat_stream(
+        self, body: dict, session_id: str | None = None, api_key: str | None = None
+    ) -> AsyncIterator[dict]:
         """Streaming chat completion chunks (use `handle.options(stream=True)`)."""
-        async for chunk in self._call_stream(ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key):
+        async for chunk in self._call_stream(
+            ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key
+        ):
             yield chunk
 
-    async def completions(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
-        return await self._call(CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key)
+    async def completions(
+        self, body: dict, session_id: str | None = None, api_key: str | None = None
+    ) -> dict:
+        return await self._call(
+            CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key
+        )
 
-    async def completions_stream(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> AsyncIterator[dict]:
-        async for chunk in self._call_stream(CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key):
+    async def completions_stream(
+        self, body: dict, session_id: str | None = None, api_key: str | None = None
+    ) -> AsyncIterator[dict]:
+        async for chunk in self._call_stream(
+            CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key
+        ):
             yield chunk
 
     async def end_session(self, session_id: str, api_key: str | None = None) -> dict:
@@ -292,7 +328,13 @@ class Ingress:
         if self._store is None:
             raise APIError(400, "this deployment keeps no sessions (mode=oneway)", param="session_id")
         if not await self._store.end_session(key):
-            raise APIError(404, f"No session '{session_id}'.", type="NotFoundError", param="session_id", code="session_not_found")
+            raise APIError(
+                404,
+                f"No session '{session_id}'.",
+                type="NotFoundError",
+                param="session_id",
+                code="session_not_found",
+            )
         await self._turns.memory.flush()
         return {"id": session_id, "object": "session", "deleted": True}
 
@@ -329,12 +371,20 @@ class Ingress:
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
-    async def _prepare(self, body, session_id: str | None, events, tenant: Tenant, *, stream: bool = True) -> _Prepared:
+    async def _prepare(
+        self, body, session_id: str | None, events, tenant: Tenant, *, stream: bool = True
+    ) -> _Prepared:
         """Validate what vLLM's request models leave to the engine, render and tokenize
         (off the event loop: prompts can be large), and build the decode engine's
         SamplingParams with vLLM's own `to_sampling_params`."""
         if body.model is not None and body.model != self._cfg.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist.", type="NotFoundError", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{body.model}' does not exist.",
+                type="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
         logprobs = body.requested_logprobs
         if logprobs is not None and logprobs > self._cfg.openai.max_logprobs:
             name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
@@ -342,7 +392,9 @@ class Ingress:
         vocab = self._tok.vocab_size
         for name, ids in body.token_ids_to_check():
             if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"'{name}' has token ids outside the vocabulary (0..{vocab - 1})", param=name)
+                raise APIError(
+                    400, f"'{name}' has token ids outside the vocabulary (0..{vocab - 1})", param=name
+                )
         text, ids, parser = await events(body)
         if ids is not None and any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, "prompt token ids out of the vocabulary's range", param="prompt")
@@ -366,7 +418,8 @@ class Ingress:
             params=params,
         )
         turn = TurnInput(
-            request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
+            request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-")
+            + uuid.uuid4().hex,
             sampling=sampling,
             session_id=scoped(tenant.namespace, session_id),
             namespace=tenant.namespace,
@@ -396,11 +449,15 @@ class Ingress:
         """Metrics of a finished turn (`app.metrics`); starts the metrics poll. Never
         raises: metrics must not fail an answer."""
         try:
-            index = metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
+            index = (
+                metrics.chat_turn_index(body.messages) if isinstance(body, ChatCompletionRequest) else None
+            )
             self._metrics.record_turn(result, index, tenant.label)
             self._metrics.sync_events(self._turns.counts)
             self._metrics.sync_refusals(self._quotas.refused)
-            self._metrics.ensure_polling(self._turns.counts, self._store.stats if self._store is not None else None)
+            self._metrics.ensure_polling(
+                self._turns.counts, self._store.stats if self._store is not None else None
+            )
         except Exception:
             logger.exception("turn metrics failed")
 
@@ -444,11 +501,23 @@ class Ingress:
         self._record_turn(result, body, prepared.tenant)
         text = "".join(texts)
         if kind == "chat.completion":
-            message, called = openai_api.chat_message(prepared.parser, self._parsers.auto_tools, body, text, token_ids)
+            message, called = openai_api.chat_message(
+                prepared.parser, self._parsers.auto_tools, body, text, token_ids
+            )
             reason = openai_api.finish_reason(result.finish_reason, called)
-            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": openai_api.chat_logprobs(logprobs)}
+            choice = {
+                "index": 0,
+                "message": message,
+                "finish_reason": reason,
+                "logprobs": openai_api.chat_logprobs(logprobs),
+            }
         else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": openai_api.completion_logprobs(logprobs)}
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": result.finish_reason,
+                "logprobs": openai_api.completion_logprobs(logprobs),
+            }
         response = {
             "id": turn.request_id,
             "object": kind,
@@ -473,13 +542,22 @@ class Ingress:
         stream = openai_api.ChatStream(prepared.parser, body, turn.prompt_ids) if chat else None
 
         def envelope(choices: list, **extra) -> dict:
-            return {"id": turn.request_id, "object": chunk_kind, "created": created, "model": self._cfg.model_name, "choices": choices, **extra}
+            return {
+                "id": turn.request_id,
+                "object": chunk_kind,
+                "created": created,
+                "model": self._cfg.model_name,
+                "choices": choices,
+                **extra,
+            }
 
         with self._admitted(prepared):
             events = self._turns.run(turn)
             first = await anext(events)
             if chat:
-                yield envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                yield envelope(
+                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                )
             async for chunk in self._stream_chunks(first, events, body, prepared, stream, envelope):
                 yield chunk
 
@@ -487,7 +565,9 @@ class Ingress:
         """The tenant's quotas for this turn (`app.quotas`): a 429 before anything runs."""
         return self._quotas.admit(prepared.tenant, len(prepared.turn.prompt_ids or ()))
 
-    async def _stream_chunks(self, first, events, body, prepared: _Prepared, stream, envelope) -> AsyncIterator[dict]:
+    async def _stream_chunks(
+        self, first, events, body, prepared: _Prepared, stream, envelope
+    ) -> AsyncIterator[dict]:
         chat = stream is not None
         offset = 0
 
@@ -519,7 +599,11 @@ class Ingress:
                 tail = stream.delta("", (), finished=True)
                 if tail:
                     yield envelope([{"index": 0, "delta": tail, "finish_reason": None}])
-                last = {"index": 0, "delta": {}, "finish_reason": openai_api.finish_reason(event.finish_reason, stream.called_tools)}
+                last = {
+                    "index": 0,
+                    "delta": {},
+                    "finish_reason": openai_api.finish_reason(event.finish_reason, stream.called_tools),
+                }
             else:
                 last = {"index": 0, "text": "", "finish_reason": event.finish_reason}
             extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}

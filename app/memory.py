@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, defaultdict
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from app.config import AppConfig
 from connector.store import Conversation
@@ -74,7 +75,9 @@ class MemoryStore(Protocol):
 class DecodeMemory:
     """One per ingress replica. `counts` is shared with the turn counters."""
 
-    def __init__(self, cfg: AppConfig, clients: DecodeMemoryClients, store: MemoryStore | None, counts: Counter):
+    def __init__(
+        self, cfg: AppConfig, clients: DecodeMemoryClients, store: MemoryStore | None, counts: Counter
+    ):
         self._cfg = cfg
         self._clients = clients
         self._store = store

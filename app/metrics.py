@@ -29,7 +29,8 @@ import asyncio
 import logging
 import time
 from collections import Counter as _Counts
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ray.util import metrics as ray_metrics
 
@@ -54,7 +55,11 @@ def turn_bucket(index: int | None) -> str:
 
 def chat_turn_index(messages: Sequence[Any]) -> int:
     """The turn a chat request is in the conversation: assistant messages sent + 1."""
-    return 1 + sum(1 for m in messages if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant")
+    return 1 + sum(
+        1
+        for m in messages
+        if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant"
+    )
 
 
 def turn_hops(timings: Mapping[str, float]) -> dict[str, float]:
@@ -102,18 +107,26 @@ class TurnMetrics:
             boundaries=HOP_BOUNDARIES,
             tag_keys=("mode", "hop"),
         )
-        self.prompt_tokens = ray_metrics.Counter("kvturn_prompt_tokens", "Prompt tokens of answered turns.", tag_keys=tags)
+        self.prompt_tokens = ray_metrics.Counter(
+            "kvturn_prompt_tokens", "Prompt tokens of answered turns.", tag_keys=tags
+        )
         self.pulled = ray_metrics.Counter(
-            "kvturn_tokens_pulled", "Prompt tokens of history prefill read from a decode engine over NIXL.", tag_keys=tags
+            "kvturn_tokens_pulled",
+            "Prompt tokens of history prefill read from a decode engine over NIXL.",
+            tag_keys=tags,
         )
         self.cached = ray_metrics.Counter(
             "kvturn_tokens_cached",
             "Prompt tokens not computed in their turn (pulled plus local prefix hits; usage.cached_tokens).",
             tag_keys=tags,
         )
-        self.computed = ray_metrics.Counter("kvturn_tokens_computed", "Prompt tokens computed in their turn.", tag_keys=tags)
+        self.computed = ray_metrics.Counter(
+            "kvturn_tokens_computed", "Prompt tokens computed in their turn.", tag_keys=tags
+        )
         self.misses = ray_metrics.Counter(
-            "kvturn_kv_misses", "Turns that could not reuse the decode engine's KV, by reason.", tag_keys=("mode", "reason")
+            "kvturn_kv_misses",
+            "Turns that could not reuse the decode engine's KV, by reason.",
+            tag_keys=("mode", "reason"),
         )
         self.events = ray_metrics.Counter(
             "kvturn_turn_events",
@@ -125,15 +138,23 @@ class TurnMetrics:
         )
         # Per tenant: the label is the tenant's namespace (a hash of its key), so the series
         # are bounded by the keys configured.
-        self.tenant_turns = ray_metrics.Counter("kvturn_tenant_turns", "Turns answered, per tenant.", tag_keys=("tenant",))
+        self.tenant_turns = ray_metrics.Counter(
+            "kvturn_tenant_turns", "Turns answered, per tenant.", tag_keys=("tenant",)
+        )
         self.tenant_prompt_tokens = ray_metrics.Counter(
-            "kvturn_tenant_prompt_tokens", "Prompt tokens of answered turns, per tenant.", tag_keys=("tenant",)
+            "kvturn_tenant_prompt_tokens",
+            "Prompt tokens of answered turns, per tenant.",
+            tag_keys=("tenant",),
         )
         self.tenant_cached = ray_metrics.Counter(
-            "kvturn_tenant_tokens_cached", "Prompt tokens not computed in their turn, per tenant.", tag_keys=("tenant",)
+            "kvturn_tenant_tokens_cached",
+            "Prompt tokens not computed in their turn, per tenant.",
+            tag_keys=("tenant",),
         )
         self.tenant_refusals = ray_metrics.Counter(
-            "kvturn_tenant_refusals", "Turns refused with 429, per tenant and quota.", tag_keys=("tenant", "quota")
+            "kvturn_tenant_refusals",
+            "Turns refused with 429, per tenant and quota.",
+            tag_keys=("tenant", "quota"),
         )
         self._refused: _Counts[tuple[str, str]] = _Counts()
         self._synced: _Counts[str] = _Counts()
@@ -164,7 +185,10 @@ class TurnMetrics:
         self.turns.inc(1, tags=tags)
         if tenant is not None:
             self.tenant_turns.inc(1, tags={"tenant": tenant})
-            for counter, value in ((self.tenant_prompt_tokens, result.prompt_tokens), (self.tenant_cached, result.cached_tokens)):
+            for counter, value in (
+                (self.tenant_prompt_tokens, result.prompt_tokens),
+                (self.tenant_cached, result.cached_tokens),
+            ):
                 if value > 0:
                     counter.inc(value, tags={"tenant": tenant})
         timings = result.timings or {}
@@ -208,14 +232,22 @@ class StoreGauges:
     """The handle store's state as gauges (set by `TurnMetrics`'s poll)."""
 
     def __init__(self):
-        self.handles = ray_metrics.Gauge("kvturn_store_handles", "Handles in the store by state.", tag_keys=("state",))
+        self.handles = ray_metrics.Gauge(
+            "kvturn_store_handles", "Handles in the store by state.", tag_keys=("state",)
+        )
         self.sessions = ray_metrics.Gauge("kvturn_store_sessions", "Conversations the store keeps.")
-        self.claimed = ray_metrics.Gauge("kvturn_store_claimed_handles", "Handles claimed by a turn in flight.")
+        self.claimed = ray_metrics.Gauge(
+            "kvturn_store_claimed_handles", "Handles claimed by a turn in flight."
+        )
         self.pinned = ray_metrics.Gauge(
-            "kvturn_store_pinned_blocks", "Decode blocks the store counts as pinned, per engine.", tag_keys=("engine",)
+            "kvturn_store_pinned_blocks",
+            "Decode blocks the store counts as pinned, per engine.",
+            tag_keys=("engine",),
         )
         self.exits = ray_metrics.Gauge(
-            "kvturn_store_handle_exits", "Handles that left the store, by exit (cumulative, per store).", tag_keys=("exit",)
+            "kvturn_store_handle_exits",
+            "Handles that left the store, by exit (cumulative, per store).",
+            tag_keys=("exit",),
         )
         self.tenant = ray_metrics.Gauge(
             "kvturn_store_tenant",
@@ -233,7 +265,9 @@ class StoreGauges:
         sessions = claimed = 0
         for shard in shards:
             states.update(shard.get("handles") or {})
-            exits.update({k: v for k, v in (shard.get("counts") or {}).items() if isinstance(v, (int, float))})
+            exits.update(
+                {k: v for k, v in (shard.get("counts") or {}).items() if isinstance(v, (int, float))}
+            )
             pinned.update(shard.get("pinned_blocks") or {})
             sessions += int(shard.get("sessions") or 0)
             claimed += int(shard.get("claimed_handles") or 0)
@@ -264,9 +298,14 @@ class TimedStore:
     def __init__(self, store):
         self._store = store
         self._latency = ray_metrics.Histogram(
-            "kvturn_store_op_seconds", "Latency of handle-store calls seen by the ingress.", boundaries=STORE_BOUNDARIES, tag_keys=("op",)
+            "kvturn_store_op_seconds",
+            "Latency of handle-store calls seen by the ingress.",
+            boundaries=STORE_BOUNDARIES,
+            tag_keys=("op",),
         )
-        self._errors = ray_metrics.Counter("kvturn_store_op_errors", "Handle-store calls that failed.", tag_keys=("op",))
+        self._errors = ray_metrics.Counter(
+            "kvturn_store_op_errors", "Handle-store calls that failed.", tag_keys=("op",)
+        )
 
     def __getattr__(self, name: str):
         target = getattr(self._store, name)
@@ -298,10 +337,18 @@ class EngineMetrics:
             "KV blocks in use: running requests plus blocks held for transfer (with nothing running: the pinned blocks).",
             tag_keys=role_tags,
         )
-        self.blocks_total = ray_metrics.Gauge("kvturn_engine_kv_blocks", "KV blocks of the engine's cache.", tag_keys=role_tags)
-        self.running = ray_metrics.Gauge("kvturn_engine_running_requests", "Requests the engine is running.", tag_keys=role_tags)
-        self.transfers = ray_metrics.Counter("kvturn_nixl_transfers", "NIXL reads this engine made.", tag_keys=role_tags)
-        self.transfer_bytes = ray_metrics.Counter("kvturn_nixl_transfer_bytes", "Bytes this engine read over NIXL.", tag_keys=role_tags)
+        self.blocks_total = ray_metrics.Gauge(
+            "kvturn_engine_kv_blocks", "KV blocks of the engine's cache.", tag_keys=role_tags
+        )
+        self.running = ray_metrics.Gauge(
+            "kvturn_engine_running_requests", "Requests the engine is running.", tag_keys=role_tags
+        )
+        self.transfers = ray_metrics.Counter(
+            "kvturn_nixl_transfers", "NIXL reads this engine made.", tag_keys=role_tags
+        )
+        self.transfer_bytes = ray_metrics.Counter(
+            "kvturn_nixl_transfer_bytes", "Bytes this engine read over NIXL.", tag_keys=role_tags
+        )
         self.transfer_seconds = ray_metrics.Counter(
             "kvturn_nixl_transfer_seconds", "Seconds this engine's NIXL reads took.", tag_keys=role_tags
         )
@@ -309,7 +356,9 @@ class EngineMetrics:
             "kvturn_nixl_failed_transfers", "NIXL reads that failed.", tag_keys=role_tags
         )
 
-    def record_step(self, *, kv_cache_usage: float, num_blocks: int | None, running: int, transfer_stats: Mapping | None) -> None:
+    def record_step(
+        self, *, kv_cache_usage: float, num_blocks: int | None, running: int, transfer_stats: Mapping | None
+    ) -> None:
         """One scheduler step's stats: `kv_cache_usage` is the fraction of blocks in use,
         `transfer_stats` the NixlConnector's stats of the step (or None)."""
         if num_blocks:

@@ -29,7 +29,19 @@ MAX_DEPTH = 64
 tool schemas a few more)."""
 
 TEMPLATE_KWARGS_RESERVED = frozenset(
-    {"messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
 
 # -- requests ------------------------------------------------------------------------------
@@ -99,7 +111,9 @@ def template_kwargs(cfg: AppConfig, body: ChatCompletionRequest) -> dict[str, An
     given = body.chat_template_kwargs or {}
     bad = sorted(set(given) & TEMPLATE_KWARGS_RESERVED)
     if bad:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+        raise APIError(
+            400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs"
+        )
     return {**cfg.openai.chat_template_kwargs, **given}
 
 
@@ -145,7 +159,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         param = ".".join(loc) or None
         return _invalid(f"{param}: {message}" if param else message, param)
     if isinstance(exc, HTTPException):
-        kind = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
+        kind = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code, "invalid_request_error"
+        )
         return exc.status_code, APIError(exc.status_code, str(exc.detail), type=kind).body()
     if isinstance(exc, (ValueError, TypeError)) and _from_sampling(exc):
         return _invalid(str(exc))
@@ -211,7 +227,11 @@ class OutputParsers:
         if needs_tools and self._cls is None:
             if body.tool_choice == "auto":
                 return None  # no parser: answers come back as content
-            raise APIError(400, "tool_choice other than 'auto'/'none' needs a tool parser (openai.tool_call_parser)", param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice other than 'auto'/'none' needs a tool parser (openai.tool_call_parser)",
+                param="tool_choice",
+            )
         if self._cls is None:
             return None
         parser = self._cls(self._tokenizer, body.tools, chat_template_kwargs=kwargs)
@@ -241,7 +261,9 @@ def chat_logprobs(entries) -> dict[str, Any] | None:
                 "token": e.token,
                 "logprob": _safe_logprob(e.logprob),
                 "bytes": _bytes(e.token),
-                "top_logprobs": [{"token": t, "logprob": _safe_logprob(lp), "bytes": _bytes(t)} for _, lp, t in e.top],
+                "top_logprobs": [
+                    {"token": t, "logprob": _safe_logprob(lp), "bytes": _bytes(t)} for _, lp, t in e.top
+                ],
             }
             for e in entries
         ]
@@ -275,11 +297,15 @@ def _tool_call(call) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_message(parser, auto_tools: bool, body: ChatCompletionRequest, text: str, token_ids) -> tuple[dict[str, Any], bool]:
+def chat_message(
+    parser, auto_tools: bool, body: ChatCompletionRequest, text: str, token_ids
+) -> tuple[dict[str, Any], bool]:
     """The assistant message of a whole answer, and whether it calls tools."""
     if parser is None:
         return {"role": "assistant", "content": text}, False
-    reasoning, content, calls = parser.parse(text, body, enable_auto_tools=auto_tools, model_output_token_ids=list(token_ids))
+    reasoning, content, calls = parser.parse(
+        text, body, enable_auto_tools=auto_tools, model_output_token_ids=list(token_ids)
+    )
     if calls and body.parallel_tool_calls is False:
         calls = calls[:1]  # as vLLM's server: the first call only
     message: dict[str, Any] = {"role": "assistant", "content": content}

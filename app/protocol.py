@@ -18,7 +18,8 @@ Every refusal is an `APIError` (an OpenAI-style `{"error": {...}}` body with its
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import model_validator
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as _VLLMChatRequest
@@ -62,7 +63,9 @@ class APIError(Exception):
         """HTTP headers of the answer (e.g. `Retry-After` of a 429)."""
 
     def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body: dict[str, Any] = {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
         if self.details:
             body["kvturn"] = self.details
         return body
@@ -98,11 +101,19 @@ def _refuse_server_fields(data: Any) -> Any:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
                 raise ValueError("'logit_bias' values must be numbers between -100 and 100")
     for tool in data.get("tools") or []:
-        params = tool.get("function", {}).get("parameters") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else None
+        params = (
+            tool.get("function", {}).get("parameters")
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+            else None
+        )
         if params is not None:
             _check_schema(params, "tools")
     fmt = data.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+    if (
+        isinstance(fmt, dict)
+        and fmt.get("type") == "json_schema"
+        and isinstance(fmt.get("json_schema"), dict)
+    ):
         schema = fmt["json_schema"].get("schema", fmt["json_schema"].get("json_schema"))
         if schema is not None:
             _check_schema(schema, "response_format")
@@ -171,9 +182,15 @@ def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
     if content is not None and not isinstance(content, str):
         parts = []
         for part in _items(content, f"{param}.content"):
-            if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type", "text") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"content part type {kind!r} is not supported: text only", param=f"{param}.content")
+                raise APIError(
+                    400, f"content part type {kind!r} is not supported: text only", param=f"{param}.content"
+                )
             parts.append(part["text"])
         content = "".join(parts)
     elif content is None:
@@ -187,11 +204,15 @@ def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if calls:
         if role != "assistant":
-            raise APIError(400, f"{param}: only assistant messages carry tool_calls", param=f"{param}.tool_calls")
+            raise APIError(
+                400, f"{param}: only assistant messages carry tool_calls", param=f"{param}.tool_calls"
+            )
         out["tool_calls"] = [_template_call(param, c) for c in _items(calls, f"{param}.tool_calls")]
     if role == "tool":
         if not message.get("tool_call_id"):
-            raise APIError(400, f"{param}: a tool message needs 'tool_call_id'", param=f"{param}.tool_call_id")
+            raise APIError(
+                400, f"{param}: a tool message needs 'tool_call_id'", param=f"{param}.tool_call_id"
+            )
         out["tool_call_id"] = str(message["tool_call_id"])
     return out
 
@@ -214,7 +235,9 @@ def _template_call(param: str, call: Any) -> dict[str, Any]:
         raise APIError(400, f"{param}.tool_calls: each call needs function.name", param=f"{param}.tool_calls")
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
-        raise APIError(400, f"{param}.tool_calls: function.arguments must be a JSON string", param=f"{param}.tool_calls")
+        raise APIError(
+            400, f"{param}.tool_calls: function.arguments must be a JSON string", param=f"{param}.tool_calls"
+        )
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
@@ -222,7 +245,7 @@ class CompletionRequest(_Checks, _VLLMCompletionRequest):
     """vLLM's completion request with our checks: one prompt (text or token ids), no echo."""
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
+    def _one_prompt(self) -> CompletionRequest:
         p = self.prompt
         if p is None:
             raise ValueError("'prompt' is required")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from app.auth import Tenant
 from app.protocol import APIError
@@ -38,10 +38,17 @@ class Quotas:
         """Hold one of the tenant's turn slots and count its prompt tokens for the turn's
         duration; raises a 429 `APIError` (with `Retry-After`) when a quota is spent."""
         policy, key = tenant.policy, tenant.label
-        if policy.max_concurrent_turns is not None and self._in_flight[key] >= self._part(policy.max_concurrent_turns):
+        if policy.max_concurrent_turns is not None and self._in_flight[key] >= self._part(
+            policy.max_concurrent_turns
+        ):
             self._refuse(key, "concurrent_turns", 1, f"at most {policy.max_concurrent_turns} turns in flight")
         if policy.prompt_tokens_per_minute is not None:
-            self._take_tokens(key, self._part(policy.prompt_tokens_per_minute), prompt_tokens, policy.prompt_tokens_per_minute)
+            self._take_tokens(
+                key,
+                self._part(policy.prompt_tokens_per_minute),
+                prompt_tokens,
+                policy.prompt_tokens_per_minute,
+            )
         self._in_flight[key] += 1
         try:
             yield
@@ -64,7 +71,9 @@ class Quotas:
                 if used - freed + tokens <= limit:
                     wait = at + WINDOW_S - now
                     break
-            self._refuse(key, "prompt_tokens_per_minute", wait, f"at most {fleet_limit} prompt tokens a minute")
+            self._refuse(
+                key, "prompt_tokens_per_minute", wait, f"at most {fleet_limit} prompt tokens a minute"
+            )
         window.append((now, tokens))  # a first turn larger than the limit still runs alone
 
     def _refuse(self, key: str, quota: str, retry_after_s: float, what: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from typing import Callable
+from collections.abc import Callable
 
 
 def pid_alive(pid: int) -> bool:
@@ -30,7 +30,9 @@ class NodeRegistry:
     def __init__(self, path: str):
         self.path = path
 
-    def reserve(self, pick: Callable[[set[int]], list[int] | None], pid: int | None = None) -> list[int] | None:
+    def reserve(
+        self, pick: Callable[[set[int]], list[int] | None], pid: int | None = None
+    ) -> list[int] | None:
         """Under the lock: call `pick(taken)` with the values live processes hold, and
         record what it returns for `pid` (default: this process). Returns that list, or
         None when `pick` found nothing."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -68,13 +67,13 @@ class LiveReplicas:
         return self.liveness.running(self.app, self.deployment)
 
 
-def _preferred(pending: Optional[PendingRequest]) -> str | None:
+def _preferred(pending: PendingRequest | None) -> str | None:
     if pending is None or not pending.args:
         return None
     return getattr(pending.args[0], "preferred_replica", None)
 
 
-def _avoided(pending: Optional[PendingRequest]) -> tuple[str, ...]:
+def _avoided(pending: PendingRequest | None) -> tuple[str, ...]:
     if pending is None or not pending.args:
         return ()
     return tuple(getattr(pending.args[0], "avoid_replicas", ()) or ())
@@ -87,7 +86,7 @@ def _ids(replicas) -> frozenset[str]:
 class SessionAffinityRouter(FIFOMixin, RequestRouter):
     """Prefer the session's replica; least loaded of two random replicas otherwise."""
 
-    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         LIVENESS.record(self.app_name, self._deployment_id.name, _ids(replicas))
 
@@ -97,15 +96,17 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(
         self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         avoid = _avoided(pending_request)
         if avoid:
             # A retry: replicas that failed this turn only if no other is left.
-            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
+            candidate_replicas = [
+                r for r in candidate_replicas if r.replica_id.unique_id not in avoid
+            ] or candidate_replicas
         wanted = _preferred(pending_request)
         preferred = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != wanted]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
-from typing import AsyncIterator
 
 import ray
 from ray import serve
@@ -35,7 +35,9 @@ class EngineServer:
 
     role = "engine"
 
-    async def __init__(self, cfg: AppConfig, role_cfg: EngineRoleConfig, *, transfer: bool, engine: Engine | None = None):
+    async def __init__(
+        self, cfg: AppConfig, role_cfg: EngineRoleConfig, *, transfer: bool, engine: Engine | None = None
+    ):
         self._cfg = cfg
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -161,5 +163,7 @@ class DecodeServer(EngineServer):
         try:
             return await self._engine.release(request_ids)
         except Exception:
-            logger.exception("decode replica %s could not release %d pinned requests", self.replica_id, len(request_ids))
+            logger.exception(
+                "decode replica %s could not release %d pinned requests", self.replica_id, len(request_ids)
+            )
             return []

@@ -108,7 +108,11 @@ def plan_for_this_replica(cpu_threads: int | None, binding: Binding) -> CpuPlan:
     replica_cpus = float(ctx.get_assigned_resources().get("CPU", 0.0))
     node_id = ctx.get_node_id()
     node_cpu = next(
-        (float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")),
+        (
+            float(n["Resources"].get("CPU", 0.0))
+            for n in ray.nodes()
+            if n.get("NodeID") == node_id and n.get("Alive")
+        ),
         0.0,
     )
     cores = sorted(os.sched_getaffinity(0))

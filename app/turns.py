@@ -22,8 +22,9 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
@@ -52,12 +53,18 @@ class EngineClients(Protocol):
 
 
 class Store(Protocol):
-    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]: ...
+    async def match(
+        self, prompt_ids: Sequence[int], prompt_text: str | None = None
+    ) -> tuple[str | None, int]: ...
 
     async def begin_turn(self, session_id: str) -> Claim: ...
 
     async def end_turn(
-        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks: int | None = None
+        self,
+        claim: Claim,
+        outcome: TurnOutcome,
+        conversation: Conversation | None,
+        engine_blocks: int | None = None,
     ) -> None: ...
 
     async def drop_engine(self, engine_id: str) -> int: ...
@@ -201,7 +208,9 @@ class Turns:
                 if local == "busy":
                     self.counts["decode_local_busy"] += 1
             elif self._cfg.disaggregated:
-                decode_params, cached, pull_ok = await self._prefill(turn, prompt_ids, history, pin_deadline, timings)
+                decode_params, cached, pull_ok = await self._prefill(
+                    turn, prompt_ids, history, pin_deadline, timings
+                )
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
@@ -260,7 +269,12 @@ class Turns:
                 if leg is not None:
                     leg.end(len(prompt_ids) - final.num_cached_tokens if final is not None else None)
             if final is None:
-                raise APIError(502, "the decode replica ended the answer without a final output", type="server_error", code="decode_failed")
+                raise APIError(
+                    502,
+                    "the decode replica ended the answer without a final output",
+                    type="server_error",
+                    code="decode_failed",
+                )
             for delta in held:
                 yield delta
             if recomputed:
@@ -270,7 +284,9 @@ class Turns:
                 cached = final.num_cached_tokens
                 if local:
                     self.counts["decode_local_cached_tokens"] += cached
-            new_conv = self._conversation(session_id, turn, prompt_ids, generated, "".join(texts), final, replica)
+            new_conv = self._conversation(
+                session_id, turn, prompt_ids, generated, "".join(texts), final, replica
+            )
             engine_blocks = await self.memory.capacity_of(new_conv)
             self.counts["turns"] += 1
             self.counts["prompt_tokens"] += len(prompt_ids)
@@ -308,7 +324,9 @@ class Turns:
         if session_id is None and self._cfg.sessions.match_sessionless:
             if prompt_ids is None:
                 prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
-            session_id, _ = await self._store_call(self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match")
+            session_id, _ = await self._store_call(
+                self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match"
+            )
             if session_id is not None and not session_id.startswith(turn.namespace):
                 session_id = None  # another tenant's conversation: never matched across
             self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
@@ -328,7 +346,9 @@ class Turns:
             logger.warning("store %s failed, turn goes on without it: %r", what, exc)
             return default
 
-    def _prompt_ids(self, turn: TurnInput, prompt_ids, conv: Conversation | None) -> tuple[tuple[int, ...], bool]:
+    def _prompt_ids(
+        self, turn: TurnInput, prompt_ids, conv: Conversation | None
+    ) -> tuple[tuple[int, ...], bool]:
         text = turn.prompt_text
         if text is None:
             return tuple(prompt_ids), False
@@ -393,12 +413,16 @@ class Turns:
             self.counts["drift_cut"] += 1
             self.counts["drift_tokens"] += drift
         if handle.num_tokens < max(1, self._cfg.transfer.recompute_threshold_tokens):
-            self.counts["miss_prefix_mismatch" if handle.num_tokens < conv.prompt_len else "miss_too_short"] += 1
+            self.counts[
+                "miss_prefix_mismatch" if handle.num_tokens < conv.prompt_len else "miss_too_short"
+            ] += 1
             return None, "prefix_mismatch" if handle.num_tokens < conv.prompt_len else "too_short"
         self.counts["handle_used"] += 1
         return handle, None
 
-    def _decode_local(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> Literal["short", "busy"] | None:
+    def _decode_local(
+        self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
+    ) -> Literal["short", "busy"] | None:
         """Whether the session's decode replica computes this turn alone, and why: bidir
         only, with that replica's prefix cache holding the history (or no history at all).
 
@@ -463,12 +487,15 @@ class Turns:
         # Every leg has a deadline: a pool with no live replica (all restarting) must not
         # hold the turn; decode can always compute the prompt itself.
         t = self._cfg.transfer
-        timeout, by_pin = self.pace.deadline(new_tokens, t.pull_timeout_s if history is not None else t.prefill_timeout_s), False
+        timeout, by_pin = (
+            self.pace.deadline(new_tokens, t.pull_timeout_s if history is not None else t.prefill_timeout_s),
+            False,
+        )
         if history is not None and pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
             timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
         try:
             final = await self._paced_prefill(request, new_tokens, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if history is None:  # nothing to recompute without: decode computes the prompt
                 self.counts["prefill_timeout"] += 1
                 self.counts["prefill_skipped"] += 1
@@ -502,16 +529,22 @@ class Turns:
         """Run a failed or late prefill leg again, without history (Serve's router picks a
         replica, a dead one no longer among them). None if this fails too: the turn then
         goes to decode without transfer params (counted as `prefill_skipped`)."""
-        retry = dataclasses.replace(failed, request_id=failed.request_id + "-recompute", kv_params=prefill_params(None))
+        retry = dataclasses.replace(
+            failed, request_id=failed.request_id + "-recompute", kv_params=prefill_params(None)
+        )
         new_tokens = len(retry.prompt_token_ids)
         try:
-            return await self._paced_prefill(retry, new_tokens, self.pace.deadline(new_tokens, self._cfg.transfer.prefill_timeout_s))
+            return await self._paced_prefill(
+                retry, new_tokens, self.pace.deadline(new_tokens, self._cfg.transfer.prefill_timeout_s)
+            )
         except Exception as exc:  # a timeout included
             self.counts["prefill_skipped"] += 1
             logger.warning("prefill retry %s failed, decode computes the prompt: %r", retry.request_id, exc)
             return None
 
-    async def _paced_prefill(self, request: EngineRequest, new_tokens: int, timeout: float | None = None) -> EngineChunk:
+    async def _paced_prefill(
+        self, request: EngineRequest, new_tokens: int, timeout: float | None = None
+    ) -> EngineChunk:
         """One prefill call, counted in the pace: its `new_tokens` are in flight while it
         runs, and a call that finishes updates the seconds per computed token."""
         ahead = self.pace.tokens_in_flight
@@ -521,7 +554,9 @@ class Turns:
             final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
         finally:
             self.pace.tokens_in_flight -= new_tokens
-        self.pace.observe(len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead)
+        self.pace.observe(
+            len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead
+        )
         return final
 
     async def _decode(
@@ -562,7 +597,12 @@ class Turns:
                 self.counts["decode_retried"] += 1
                 if produced:
                     self.counts["decode_restarted"] += 1
-                logger.warning("decode %s failed on %s, computing the turn on another replica: %r", attempt.request_id, replica, exc)
+                logger.warning(
+                    "decode %s failed on %s, computing the turn on another replica: %r",
+                    attempt.request_id,
+                    replica,
+                    exc,
+                )
             if replica and replica not in avoid:
                 avoid.append(replica)
             yield _Restart()
@@ -575,7 +615,9 @@ class Turns:
             )
             await asyncio.sleep(DECODE_RETRY_PAUSE_S * tries)  # Serve learns of a dead replica
 
-    def _conversation(self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica) -> Conversation:
+    def _conversation(
+        self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica
+    ) -> Conversation:
         handle = None
         if self._cfg.reuses_kv:
             try:

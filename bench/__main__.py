@@ -20,10 +20,11 @@ import argparse
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.profiles import MODES, PROFILES, cluster_cpus, profile as get_profile
+from bench.profiles import MODES, PROFILES, cluster_cpus
+from bench.profiles import profile as get_profile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 
@@ -69,12 +70,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=PROFILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--profile", choices=PROFILES, default="cpu", help="model, engine and workload preset (default: cpu)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to deploy, in order (default: %(default)s)")
+    p.add_argument(
+        "--profile", choices=PROFILES, default="cpu", help="model, engine and workload preset (default: cpu)"
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated modes to deploy, in order (default: %(default)s)",
+    )
     p.add_argument("--url", help="benchmark a deployment already serving at URL (one mode; no deploy)")
     p.add_argument("--label", help="name of the --url deployment in the results (default: 'url')")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON; the PNG goes next to it (default: bench/results/latest.json)")
-    p.add_argument("--port", type=int, default=8300, help="Serve HTTP port of the local cluster (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="results JSON; the PNG goes next to it (default: bench/results/latest.json)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8300, help="Serve HTTP port of the local cluster (default: %(default)s)"
+    )
 
     w = p.add_argument_group("workload (defaults come from the profile)")
     w.add_argument("--sessions", type=int, help="concurrent conversations")
@@ -84,43 +98,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--user-tokens", type=int, help="user message length")
     w.add_argument("--tool-tokens", type=int, help="tool result length")
     w.add_argument("--answer-tokens", type=int, help="answer length (max_tokens, ignore_eos)")
-    w.add_argument("--tool-prob", type=float, help="chance a later turn adds a tool result instead of a user message")
+    w.add_argument(
+        "--tool-prob", type=float, help="chance a later turn adds a tool result instead of a user message"
+    )
     w.add_argument("--seed", type=int, help="workload seed")
     w.add_argument(
-        "--tool-calls", action=argparse.BooleanOptionalAction, default=None,
+        "--tool-calls",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="answers before a tool result go back as assistant tool calls (rendered by the chat template)",
     )
-    w.add_argument("--warmup-turns", type=int, default=2, help="turns of the unmeasured warm-up session per mode (0: none; default 2)")
+    w.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=2,
+        help="turns of the unmeasured warm-up session per mode (0: none; default 2)",
+    )
 
     e = p.add_argument_group("engines (defaults come from the profile)")
     e.add_argument("--model", help="model path or id (overrides the profile's model)")
     e.add_argument("--dtype", help="e.g. float32, bfloat16")
     e.add_argument("--load-format", help="vLLM load format (profile default: dummy, random weights)")
-    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="skip graph capture/compilation")
+    e.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip graph capture/compilation",
+    )
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--kv-cache-mib", type=int, help="KV cache per engine in MiB")
-    e.add_argument("--decode-kv-cache-mib", type=int, help="the decode (and single) engine's KV cache in MiB, when it differs")
-    e.add_argument("--prefill-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="prefix caching on the prefill engine")
+    e.add_argument(
+        "--decode-kv-cache-mib",
+        type=int,
+        help="the decode (and single) engine's KV cache in MiB, when it differs",
+    )
+    e.add_argument(
+        "--prefill-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefix caching on the prefill engine",
+    )
     e.add_argument("--pull-timeout-s", type=float, help="the app's transfer.pull_timeout_s (profile default)")
     e.add_argument(
-        "--decode-local-tokens", type=int,
+        "--decode-local-tokens",
+        type=int,
         help="the app's transfer.decode_local_tokens: bidir turns computing at most this many tokens skip prefill (0: none do)",
     )
     e.add_argument(
-        "--decode-local-busy-tokens", type=int,
+        "--decode-local-busy-tokens",
+        type=int,
         help="the app's transfer.decode_local_busy_tokens: while prefill is busy, bidir turns computing at most this "
         "many tokens go to their decode replica when it answers sooner (0: never)",
     )
     e.add_argument(
-        "--host-offload-gib", type=float,
+        "--host-offload-gib",
+        type=float,
         help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
     )
-    e.add_argument("--threads", type=int, help="CPU profiles: OpenMP threads per engine (default: the app's sizing, half the cores)")
     e.add_argument(
-        "--cpu-binding", choices=("nobind", "exclusive", "vllm"),
+        "--threads",
+        type=int,
+        help="CPU profiles: OpenMP threads per engine (default: the app's sizing, half the cores)",
+    )
+    e.add_argument(
+        "--cpu-binding",
+        choices=("nobind", "exclusive", "vllm"),
         help="CPU profiles: the app's cpu_binding per engine (default: the app's, nobind)",
     )
-    e.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for Ray and the engines (repeatable)")
+    e.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for Ray and the engines (repeatable)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -130,7 +181,18 @@ def _profile_from(args: argparse.Namespace):
     prof = get_profile(args.profile)
     spec_changes = {
         k: getattr(args, k)
-        for k in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens", "tool_prob", "seed", "tool_calls")
+        for k in (
+            "sessions",
+            "turns",
+            "concurrency",
+            "system_tokens",
+            "user_tokens",
+            "tool_tokens",
+            "answer_tokens",
+            "tool_prob",
+            "seed",
+            "tool_calls",
+        )
         if getattr(args, k) is not None
     }
     from dataclasses import replace
@@ -183,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup_turns > 0:
         from dataclasses import replace
 
-        warm_spec = replace(spec, sessions=1, concurrency=1, turns=args.warmup_turns, system_tokens=min(spec.system_tokens, 200), tool_tokens=min(spec.tool_tokens, 300))
+        warm_spec = replace(
+            spec,
+            sessions=1,
+            concurrency=1,
+            turns=args.warmup_turns,
+            system_tokens=min(spec.system_tokens, 200),
+            tool_tokens=min(spec.tool_tokens, 300),
+        )
         warmup = generate(warm_spec, counter, tag="warmup")
 
     modes = [args.label or "url"] if args.url else [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -217,14 +286,18 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "profile": prof.name,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "duration_s": None,
         "model": model_path,
         "model_name": Path(model_path).name if "/" in model_path else model_path,
         "url": args.url,
         "engine": {k: v for k, v in prof.as_dict().items() if k not in ("workload", "name", "model")},
         "workload": workload.summary(),
-        "host": {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "host": {
+            "machine": platform.machine(),
+            "cpus": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+        },
     }
     results = report.build_results(meta, runs, spec.turns)
     results["duration_s"] = time.perf_counter() - started
@@ -232,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(results, out)
     png = None if args.no_plot else report.plot(results, out.with_suffix(".png"))
     print(report.markdown(results))
-    print(f"\nresults: {out}" + (f"\nplot: {png}" if png else "") + f"\ntotal time: {results['duration_s']:.0f} s")
+    print(
+        f"\nresults: {out}"
+        + (f"\nplot: {png}" if png else "")
+        + f"\ntotal time: {results['duration_s']:.0f} s"
+    )
     failed = sum(m["overall"]["errors"] for m in results["modes"].values())
     return 1 if failed else 0
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import httpx
 
@@ -79,7 +79,9 @@ async def chat_turn(
     stamps: list[float] = []
     start = time.perf_counter()
     record.start_s = start - t0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers={session_header: session_id}) as r:
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={session_header: session_id}
+    ) as r:
         if r.status_code != 200:
             raise TurnFailed(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
         done = False
@@ -150,9 +152,15 @@ async def run_session(
         record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
         try:
             answer = await chat_turn(
-                client, url, model, messages,
-                session_id=session_id, max_tokens=workload.spec.answer_tokens,
-                record=record, t0=t0, session_header=session_header,
+                client,
+                url,
+                model,
+                messages,
+                session_id=session_id,
+                max_tokens=workload.spec.answer_tokens,
+                record=record,
+                t0=t0,
+                session_header=session_header,
             )
         except (TurnFailed, httpx.HTTPError, json.JSONDecodeError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
@@ -160,13 +168,22 @@ async def run_session(
             on_turn(record)
             # Later turns would build on a missing answer: count them as not run.
             for j in range(i + 1, len(plan.turns)):
-                skipped = TurnRecord(session=plan.index, turn=j + 1, kind=plan.turns[j].kind, error="skipped: an earlier turn failed")
+                skipped = TurnRecord(
+                    session=plan.index,
+                    turn=j + 1,
+                    kind=plan.turns[j].kind,
+                    error="skipped: an earlier turn failed",
+                )
                 records.append(skipped)
                 on_turn(skipped)
             return records
         records.append(record)
         on_turn(record)
-        messages.append(_assistant(answer, plan.turns[i + 1] if i + 1 < len(plan.turns) else None, workload.spec.tool_calls))
+        messages.append(
+            _assistant(
+                answer, plan.turns[i + 1] if i + 1 < len(plan.turns) else None, workload.spec.tool_calls
+            )
+        )
     return records
 
 
@@ -180,7 +197,13 @@ def _assistant(answer: str, next_turn, tool_calls: bool) -> dict:
     return {
         "role": "assistant",
         "content": None,
-        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": next_turn.tool_name, "arguments": arguments}}],
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": next_turn.tool_name, "arguments": arguments},
+            }
+        ],
     }
 
 
@@ -203,8 +226,15 @@ async def run_workload(
         async def one(plan: SessionPlan) -> list[TurnRecord]:
             async with sem:
                 return await run_session(
-                    client, url, model, workload, plan,
-                    session_id=f"{session_prefix}-s{plan.index}", t0=t0, on_turn=on_turn, session_header=session_header,
+                    client,
+                    url,
+                    model,
+                    workload,
+                    plan,
+                    session_id=f"{session_prefix}-s{plan.index}",
+                    t0=t0,
+                    on_turn=on_turn,
+                    session_header=session_header,
                 )
 
         results = await asyncio.gather(*(one(p) for p in workload.sessions))

@@ -36,9 +36,13 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     # Big enough that prefilling 8k tokens costs seconds on a few CPU cores.
-    "bench-qwen3": Shape(layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64, intermediate=2048, max_positions=16384),
+    "bench-qwen3": Shape(
+        layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64, intermediate=2048, max_positions=16384
+    ),
     # Qwen3-8B's published configuration (36 layers, GQA 32/8, head_dim 128).
-    "bench-qwen3-8b": Shape(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, max_positions=40960),
+    "bench-qwen3-8b": Shape(
+        layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, max_positions=40960
+    ),
 }
 
 

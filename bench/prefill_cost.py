@@ -37,14 +37,26 @@ RESULT = "prefill-cost: "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.prefill_cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bench-qwen3", help="a path, or a shape of bench.models (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.prefill_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default="bench-qwen3", help="a path, or a shape of bench.models (default: %(default)s)"
+    )
     p.add_argument("--history", type=int, default=6000, help="cached history tokens (default: %(default)s)")
-    p.add_argument("--new", type=int, default=1000, help="new tokens computed per request (default: %(default)s)")
+    p.add_argument(
+        "--new", type=int, default=1000, help="new tokens computed per request (default: %(default)s)"
+    )
     p.add_argument("--reps", type=int, default=3, help="timed requests per variant (default: %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (default: %(default)s)")
-    p.add_argument("--raw-nixl", action="store_true", help="without the app's vLLM plugin settings (NIXL's progress thread spins)")
+    p.add_argument(
+        "--raw-nixl",
+        action="store_true",
+        help="without the app's vLLM plugin settings (NIXL's progress thread spins)",
+    )
     p.add_argument("--out", default="bench/results/prefill_cost.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -64,8 +76,16 @@ def _engine(model: str, nixl: bool):
             kv_connector_extra_config={"backends": ["UCX"], "bidirectional_kv_xfer": True},
         )
     return LLM(
-        model=model, load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=12288, block_size=32,
-        enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30, kv_transfer_config=kv, disable_log_stats=True,
+        model=model,
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=12288,
+        block_size=32,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=1 << 30,
+        kv_transfer_config=kv,
+        disable_log_stats=True,
     )
 
 
@@ -115,7 +135,12 @@ def _env(args: argparse.Namespace) -> dict:
     from app.config import EngineRoleConfig, TransferConfig
     from app.engine import plugin_env
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "UCX_NET_DEVICES": "lo"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "UCX_NET_DEVICES": "lo",
+    }
     # The app's engine settings (`app.engine.plugin_env`), as every CPU engine of the app
     # gets them; --raw-nixl leaves vLLM and NIXL as they are.
     settings = plugin_env(TransferConfig(), EngineRoleConfig(), transfer=True, cpu=True)
@@ -127,24 +152,44 @@ def _env(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace, variant: str) -> dict:
-    base = [sys.executable, "-m", "bench.prefill_cost", "--model", args.model, "--history", str(args.history), "--new", str(args.new), "--reps", str(args.reps)]
+    base = [
+        sys.executable,
+        "-m",
+        "bench.prefill_cost",
+        "--model",
+        args.model,
+        "--history",
+        str(args.history),
+        "--new",
+        str(args.new),
+        "--reps",
+        str(args.reps),
+    ]
     decoder = None
     try:
         if variant.endswith("+decode"):
             # Its own process group: vLLM's engine core is a child process, and killing only
             # the driver would leave it running (and holding its memory).
             decoder = subprocess.Popen(
-                base + ["--worker", "decode"], env=_env(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                base + ["--worker", "decode"],
+                env=_env(args),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
                 start_new_session=True,
             )
             while (line := decoder.stdout.readline()) and line.strip() != "ready":
                 pass
             time.sleep(2)
         worker = "nixl" if variant.startswith("nixl") else "plain"
-        done = subprocess.run(base + ["--worker", worker], env=_env(args), capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            base + ["--worker", worker], env=_env(args), capture_output=True, text=True, check=False
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
-        return json.loads(next(line for line in done.stdout.splitlines() if line.startswith(RESULT))[len(RESULT) :])
+        return json.loads(
+            next(line for line in done.stdout.splitlines() if line.startswith(RESULT))[len(RESULT) :]
+        )
     finally:
         if decoder is not None:
             os.killpg(decoder.pid, signal.SIGKILL)
@@ -167,7 +212,10 @@ def main(argv=None) -> int:
     for variant in args.variants.split(","):
         t = time.perf_counter()
         results[variant] = _run(args, variant)
-        print(f"{variant}: median {results[variant]['median_s']:.2f} s ({time.perf_counter() - t:.0f} s with start-up)", flush=True)
+        print(
+            f"{variant}: median {results[variant]['median_s']:.2f} s ({time.perf_counter() - t:.0f} s with start-up)",
+            flush=True,
+        )
     base = results.get("plain", {}).get("median_s")
     lines = [
         f"{args.new} new tokens over a cached history of {args.history}, model `{os.path.basename(args.model)}`, "
@@ -185,7 +233,9 @@ def main(argv=None) -> int:
     print(table)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "results": results}, f, indent=2)
+        json.dump(
+            {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "results": results}, f, indent=2
+        )
     print(f"results: {args.out}")
     return 0
 

@@ -78,7 +78,7 @@ class Profile:
     sessions: dict[str, Any] = field(default_factory=dict)
     """The app's `sessions.*` settings (e.g. `pinned_fraction`); empty: the app's defaults."""
 
-    def with_overrides(self, **changes) -> "Profile":
+    def with_overrides(self, **changes) -> Profile:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def as_dict(self) -> dict:
@@ -111,14 +111,26 @@ class Profile:
             "decode": {
                 **role,
                 "enable_prefix_caching": True,
-                **({"kv_cache_memory_bytes": self.decode_kv_cache_bytes} if self.decode_kv_cache_bytes else {}),
+                **(
+                    {"kv_cache_memory_bytes": self.decode_kv_cache_bytes}
+                    if self.decode_kv_cache_bytes
+                    else {}
+                ),
             },
             "transfer": {
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
                 **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
-                **({"decode_local_tokens": self.decode_local_tokens} if self.decode_local_tokens is not None else {}),
-                **({"decode_local_busy_tokens": self.decode_local_busy_tokens} if self.decode_local_busy_tokens is not None else {}),
+                **(
+                    {"decode_local_tokens": self.decode_local_tokens}
+                    if self.decode_local_tokens is not None
+                    else {}
+                ),
+                **(
+                    {"decode_local_busy_tokens": self.decode_local_busy_tokens}
+                    if self.decode_local_busy_tokens is not None
+                    else {}
+                ),
                 **({"host_offload_bytes": self.host_offload_bytes} if self.host_offload_bytes else {}),
             },
             "app_name": app_name,
@@ -151,7 +163,17 @@ def profile(name: str) -> Profile:
             model="bench-qwen3",
             # Seed 4: every later turn of both sessions is a tool result, so both
             # histories reach ~8k tokens; the run takes about 12 minutes on 2 cores.
-            workload=WorkloadSpec(sessions=2, turns=6, concurrency=2, system_tokens=600, user_tokens=200, tool_tokens=1400, answer_tokens=32, tool_prob=0.8, seed=4),
+            workload=WorkloadSpec(
+                sessions=2,
+                turns=6,
+                concurrency=2,
+                system_tokens=600,
+                user_tokens=200,
+                tool_tokens=1400,
+                answer_tokens=32,
+                tool_prob=0.8,
+                seed=4,
+            ),
             dtype="float32",
             enforce_eager=True,
             max_model_len=12288,
@@ -166,7 +188,18 @@ def profile(name: str) -> Profile:
             # short turns, mostly tool results of 100-300 tokens, histories growing to ~7k
             # tokens; each turn adds little, so recomputing the history (oneway) is nearly
             # all of the work and reuse matters most.
-            workload=WorkloadSpec(sessions=2, turns=24, concurrency=2, system_tokens=400, user_tokens=80, tool_tokens=300, tool_tokens_min=100, answer_tokens=24, tool_prob=0.85, seed=1),
+            workload=WorkloadSpec(
+                sessions=2,
+                turns=24,
+                concurrency=2,
+                system_tokens=400,
+                user_tokens=80,
+                tool_tokens=300,
+                tool_tokens_min=100,
+                answer_tokens=24,
+                tool_prob=0.85,
+                seed=1,
+            ),
             load_format="auto",
             dtype="float32",
             enforce_eager=False,
@@ -179,7 +212,16 @@ def profile(name: str) -> Profile:
         return Profile(
             name="gpu",
             model="bench-qwen3-8b",
-            workload=WorkloadSpec(sessions=8, turns=6, concurrency=8, system_tokens=2000, user_tokens=300, tool_tokens=4400, answer_tokens=128, tool_prob=0.8),
+            workload=WorkloadSpec(
+                sessions=8,
+                turns=6,
+                concurrency=8,
+                system_tokens=2000,
+                user_tokens=300,
+                tool_tokens=4400,
+                answer_tokens=128,
+                tool_prob=0.8,
+            ),
             dtype="bfloat16",
             enforce_eager=False,
             max_model_len=32768,
@@ -199,7 +241,17 @@ def profile(name: str) -> Profile:
             # What a user of `make run` sees: the embedded model with the app's defaults
             # (compiled, 1 GiB KV), one session of 6 turns adding ~300 tokens each,
             # 16-token answers. Measures the fixed cost of P/D per turn.
-            workload=WorkloadSpec(sessions=1, turns=6, concurrency=1, system_tokens=100, user_tokens=300, tool_tokens=300, answer_tokens=16, tool_prob=0.5, seed=2),
+            workload=WorkloadSpec(
+                sessions=1,
+                turns=6,
+                concurrency=1,
+                system_tokens=100,
+                user_tokens=300,
+                tool_tokens=300,
+                answer_tokens=16,
+                tool_prob=0.5,
+                seed=2,
+            ),
             load_format="auto",
             dtype="float32",
             enforce_eager=False,
@@ -212,7 +264,16 @@ def profile(name: str) -> Profile:
         return Profile(
             name="smoke",
             model=str(DEFAULT_MODEL),
-            workload=WorkloadSpec(sessions=2, turns=2, concurrency=2, system_tokens=80, user_tokens=30, tool_tokens=120, answer_tokens=8, tool_prob=0.5),
+            workload=WorkloadSpec(
+                sessions=2,
+                turns=2,
+                concurrency=2,
+                system_tokens=80,
+                user_tokens=30,
+                tool_tokens=120,
+                answer_tokens=8,
+                tool_prob=0.5,
+            ),
             load_format="auto",
             dtype="float32",
             enforce_eager=True,
@@ -235,8 +296,17 @@ def profile(name: str) -> Profile:
             # good. The embedded model's float32 KV is 128 KiB a block: decode gets 48 MiB
             # (384 blocks, half of them for pins) where the conversations would pin ~1,100.
             workload=WorkloadSpec(
-                sessions=12, turns=6, concurrency=12, system_tokens=300, user_tokens=150, tool_tokens=500,
-                answer_tokens=24, tool_prob=0.7, pause_s=2.0, abandon_prob=0.15, seed=3,
+                sessions=12,
+                turns=6,
+                concurrency=12,
+                system_tokens=300,
+                user_tokens=150,
+                tool_tokens=500,
+                answer_tokens=24,
+                tool_prob=0.7,
+                pause_s=2.0,
+                abandon_prob=0.15,
+                seed=3,
             ),
             load_format="auto",
             dtype="float32",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from bench.runner import ModeRun
 
@@ -89,7 +90,11 @@ def summarize(run: ModeRun, turns: int) -> dict[str, Any]:
     overall["wall_s"] = run.wall_s
     overall["output_tok_s_aggregate"] = overall["completion_tokens"] / run.wall_s if run.wall_s else None
     later = [r for r in run.records if r.turn > 1]
-    overall["later_turns"] = {k: v for k, v in turn_stats(later).items() if k.startswith(("ttft", "hops", "itl")) or k.endswith("tokens")}
+    overall["later_turns"] = {
+        k: v
+        for k, v in turn_stats(later).items()
+        if k.startswith(("ttft", "hops", "itl")) or k.endswith("tokens")
+    }
     prefill = run.engines.get("prefill")
     return {
         "label": run.label,
@@ -165,7 +170,9 @@ def plot(results: dict, path: Path) -> Path | None:
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (s)")
     w = results.get("workload", {})
-    ax.set_title(f"kvturn: time to first token per turn ({results.get('profile', '')}, {w.get('sessions')} sessions)")
+    ax.set_title(
+        f"kvturn: time to first token per turn ({results.get('profile', '')}, {w.get('sessions')} sessions)"
+    )
     ax.set_xticks(range(1, (w.get("turns") or 1) + 1))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -226,7 +233,14 @@ def markdown(results: dict) -> str:
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("---:" for _ in head) + "|")
     for t in range(turns):
-        prompt = next((modes[m]["turns"][t]["prompt_tokens_mean"] for m in labels if modes[m]["turns"][t]["prompt_tokens_mean"]), None)
+        prompt = next(
+            (
+                modes[m]["turns"][t]["prompt_tokens_mean"]
+                for m in labels
+                if modes[m]["turns"][t]["prompt_tokens_mean"]
+            ),
+            None,
+        )
         row = [str(t + 1), _i(prompt)]
         row += [_f(modes[m]["turns"][t]["ttft_p50_s"]) for m in labels]
         row += [_f(results["ratios"][k]["per_turn"][t]["ttft_p50"]) + "x" for k in ratio_keys]
@@ -236,9 +250,18 @@ def markdown(results: dict) -> str:
         row += [_f(results["ratios"][k]["later_turns_ttft_p50"]) + "x" for k in ratio_keys]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    hop_names = ["store", "verify", "prefill_engine", "prefill_transport", "decode_engine", "decode_transport"]
+    hop_names = [
+        "store",
+        "verify",
+        "prefill_engine",
+        "prefill_transport",
+        "decode_engine",
+        "decode_transport",
+    ]
     if any(modes[m]["overall"]["later_turns"].get("hops_mean_s") for m in labels):
-        lines.append("Where the time to first token went, turns 2 and later (mean ms, from `kvturn.timings`):")
+        lines.append(
+            "Where the time to first token went, turns 2 and later (mean ms, from `kvturn.timings`):"
+        )
         lines.append("")
         head = ["mode"] + hop_names + ["client TTFT"]
         lines.append("| " + " | ".join(head) + " |")
@@ -250,7 +273,20 @@ def markdown(results: dict) -> str:
             row.append(_f(later.get("ttft_mean_s"), 1, 1000.0))
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-    head = ["mode", "turn", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT mean (s)", "prefill leg done (s)", "first token at ingress (s)", "ITL mean (ms)", "out tok/s", "cached", "computed", "from decode"]
+    head = [
+        "mode",
+        "turn",
+        "TTFT p50 (s)",
+        "TTFT p90 (s)",
+        "TTFT mean (s)",
+        "prefill leg done (s)",
+        "first token at ingress (s)",
+        "ITL mean (ms)",
+        "out tok/s",
+        "cached",
+        "computed",
+        "from decode",
+    ]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for m in labels:
@@ -258,15 +294,39 @@ def markdown(results: dict) -> str:
             lines.append(
                 "| "
                 + " | ".join(
-                    [m, str(row["turn"]), _f(row["ttft_p50_s"]), _f(row["ttft_p90_s"]), _f(row["ttft_mean_s"]),
-                     _f(row.get("app_prefill_done_mean_s")), _f(row.get("app_first_token_mean_s")),
-                     _f(row["itl_mean_s"], 1, 1000), _f(row["output_tok_s"], 1), _i(row["cached_tokens"]),
-                     _i(row["computed_tokens"]), _i(row["reused_from_decode"])]
+                    [
+                        m,
+                        str(row["turn"]),
+                        _f(row["ttft_p50_s"]),
+                        _f(row["ttft_p90_s"]),
+                        _f(row["ttft_mean_s"]),
+                        _f(row.get("app_prefill_done_mean_s")),
+                        _f(row.get("app_first_token_mean_s")),
+                        _f(row["itl_mean_s"], 1, 1000),
+                        _f(row["output_tok_s"], 1),
+                        _i(row["cached_tokens"]),
+                        _i(row["computed_tokens"]),
+                        _i(row["reused_from_decode"]),
+                    ]
                 )
                 + " |"
             )
     lines.append("")
-    head = ["mode", "wall (s)", "deploy (s)", "out tok/s (all)", "prefill pulled", "prefill local hit", "prefill computed", "decode pulled", "pulls used / timed out", "NIXL reads P / D", "read time P / D (s)", "read MB P / D", "errors"]
+    head = [
+        "mode",
+        "wall (s)",
+        "deploy (s)",
+        "out tok/s (all)",
+        "prefill pulled",
+        "prefill local hit",
+        "prefill computed",
+        "decode pulled",
+        "pulls used / timed out",
+        "NIXL reads P / D",
+        "read time P / D (s)",
+        "read MB P / D",
+        "errors",
+    ]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for m in labels:
@@ -278,16 +338,21 @@ def markdown(results: dict) -> str:
         lines.append(
             "| "
             + " | ".join(
-                [m, _f(o["wall_s"], 1), _f(mode["deploy_s"], 0), _f(o["output_tok_s_aggregate"], 1),
-                 _i(pre["prompt_tokens_external"]) if pre else "-",
-                 _i((dec if single else pre)["prompt_tokens_local_hit"]) if (pre or dec) else "-",
-                 _i((dec if single else pre)["prompt_tokens_computed"]) if (pre or dec) else "-",
-                 _i(dec["prompt_tokens_external"]) if dec and not single else "-",
-                 _pulls(mode.get("kv_stats")),
-                 _pair(pre, dec, "kv_transfers", _i),
-                 _pair(pre, dec, "kv_transfer_s", lambda x: _f(x, 2)),
-                 _pair(pre, dec, "kv_transfer_bytes", lambda x: _f(x / 1e6, 0)),
-                 str(o["errors"])]
+                [
+                    m,
+                    _f(o["wall_s"], 1),
+                    _f(mode["deploy_s"], 0),
+                    _f(o["output_tok_s_aggregate"], 1),
+                    _i(pre["prompt_tokens_external"]) if pre else "-",
+                    _i((dec if single else pre)["prompt_tokens_local_hit"]) if (pre or dec) else "-",
+                    _i((dec if single else pre)["prompt_tokens_computed"]) if (pre or dec) else "-",
+                    _i(dec["prompt_tokens_external"]) if dec and not single else "-",
+                    _pulls(mode.get("kv_stats")),
+                    _pair(pre, dec, "kv_transfers", _i),
+                    _pair(pre, dec, "kv_transfer_s", lambda x: _f(x, 2)),
+                    _pair(pre, dec, "kv_transfer_bytes", lambda x: _f(x / 1e6, 0)),
+                    str(o["errors"]),
+                ]
             )
             + " |"
         )

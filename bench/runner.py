@@ -13,9 +13,10 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
@@ -162,7 +163,14 @@ def run_url(url: str, label: str, workload: Workload, warmup: Workload | None, o
     before = asyncio.run(kv_stats(url))
     records, wall = _measure(url, model, workload, label, on_turn)
     after = asyncio.run(kv_stats(url))
-    return ModeRun(mode=label, label=label, records=records, wall_s=wall, warmup_s=warmup_s, kv_stats=_turn_counts_delta(after, before))
+    return ModeRun(
+        mode=label,
+        label=label,
+        records=records,
+        wall_s=wall,
+        warmup_s=warmup_s,
+        kv_stats=_turn_counts_delta(after, before),
+    )
 
 
 class LocalCluster:
@@ -174,7 +182,7 @@ class LocalCluster:
         self.env = env
         self.num_cpus = num_cpus
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         import ray
         from ray import serve
 

@@ -95,7 +95,9 @@ class Report:
             "stream_errors_on_killed_decode": sum(1 for t in streams_failed if t.failed_on in killed_decode),
             "stream_errors_elsewhere": sum(1 for t in streams_failed if t.failed_on not in killed_decode),
             "later_turns_ok": len(later),
-            "reuse_token_fraction": round(sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3),
+            "reuse_token_fraction": round(
+                sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)), 3
+            ),
             "later_turns_reusing": round(sum(t.cached_tokens > 0 for t in later) / max(1, len(later)), 3),
             "later_turn_misses": dict(Counter(t.miss_reason for t in later if t.miss_reason)),
             "turn_counters": self.turn_counts,
@@ -112,7 +114,9 @@ class Report:
 # -- load -------------------------------------------------------------------------------
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list, rec: Turn, session_id: str | None) -> tuple[str | None, str | None]:
+async def one_turn(
+    client: httpx.AsyncClient, url: str, model: str, messages: list, rec: Turn, session_id: str | None
+) -> tuple[str | None, str | None]:
     """Send one turn; fill `rec`. Returns (answer text, session id to send back)."""
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
     headers = {"x-session-id": session_id} if session_id else {}
@@ -141,7 +145,9 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
                         continue
                     chunk = json.loads(line.removeprefix("data: "))
                     if "error" in chunk:
-                        rec.error = "stream_error:" + str(chunk["error"].get("code") or chunk["error"].get("type"))
+                        rec.error = "stream_error:" + str(
+                            chunk["error"].get("code") or chunk["error"].get("type")
+                        )
                         rec.failed_on = (chunk.get("kvturn") or {}).get("decode_replica")
                     usage = chunk.get("usage") or usage
                     if "kvturn" in chunk:
@@ -168,7 +174,10 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
 async def run_session(i: int, args, client, model: str, deadline: float, report: Report, done: list) -> None:
     stream, header = i % 2 == 0, (i // 2) % 2 == 0
     session_id = f"soak-{args.seed}-{i}" if header else None
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Session {i}: build target {i * 7919 % 1000} and fix what fails."}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Session {i}: build target {i * 7919 % 1000} and fix what fails."},
+    ]
     for t in range(1, args.turns + 1):
         if time.monotonic() > deadline:
             return
@@ -281,7 +290,11 @@ def decode_blocks(app: str) -> dict:
             except Exception:  # an app without DecodeServer.kv_blocks
                 blocks = None
             if blocks is not None:
-                out[rid] = {k: blocks[k] for k in ("engine_id", "total", "free", "pinned", "pinned_requests") if k in blocks}
+                out[rid] = {
+                    k: blocks[k]
+                    for k in ("engine_id", "total", "free", "pinned", "pinned_requests")
+                    if k in blocks
+                }
                 continue
             stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)
             out[rid] = {"kv_cache_usage": stats.get("kv_cache_usage")}
@@ -305,7 +318,11 @@ def pin_budgets(app: str, engines: dict) -> dict:
 def engine_processes(app: str) -> dict:
     live = len(_replica_ids(app, "DecodeServer")) + len(_replica_ids(app, "PrefillServer"))
     running = len(engine_pids())
-    return {"engine_processes": running, "live_engine_replicas": live, "beyond_live_replicas": max(0, running - live)}
+    return {
+        "engine_processes": running,
+        "live_engine_replicas": live,
+        "beyond_live_replicas": max(0, running - live),
+    }
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -322,9 +339,22 @@ def soak_config(args):
             "enforce_eager": True,
             "max_model_len": 4096,
             "default_max_tokens": 16,
-            "prefill": {"num_cpus": 0.5, "num_replicas": args.prefill_replicas, "enable_prefix_caching": False, "kv_cache_memory_bytes": 256 << 20},
-            "decode": {"num_cpus": 0.5, "num_replicas": args.decode_replicas, "kv_cache_memory_bytes": 256 << 20},
-            "transfer": {"kv_buffer_device": "cpu", "decoder_kv_blocks_ttl_s": args.decode_ttl_s, "pull_timeout_s": 15},
+            "prefill": {
+                "num_cpus": 0.5,
+                "num_replicas": args.prefill_replicas,
+                "enable_prefix_caching": False,
+                "kv_cache_memory_bytes": 256 << 20,
+            },
+            "decode": {
+                "num_cpus": 0.5,
+                "num_replicas": args.decode_replicas,
+                "kv_cache_memory_bytes": 256 << 20,
+            },
+            "transfer": {
+                "kv_buffer_device": "cpu",
+                "decoder_kv_blocks_ttl_s": args.decode_ttl_s,
+                "pull_timeout_s": 15,
+            },
             "sessions": {"handle_ttl_s": args.decode_ttl_s * 0.75},
             "app_name": args.app,
             "env": {"OMP_NUM_THREADS": "1"},
@@ -334,14 +364,18 @@ def soak_config(args):
 
 async def drive(args, report: Report, can_kill: bool) -> None:
     await wait_healthy(args.url, timeout_s=900)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=args.sessions * 2)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=args.sessions * 2)
+    ) as client:
         model = (await client.get(args.url + "/v1/models", headers={})).json()["data"][0]["id"]
         done = [0]
         report.config["t0"] = time.monotonic()
         deadline = report.config["t0"] + args.duration_s
         total = args.sessions * args.turns
         injector = asyncio.create_task(fault_injector(args, report, done, total, can_kill))
-        await asyncio.gather(*(run_session(i, args, client, model, deadline, report, done) for i in range(args.sessions)))
+        await asyncio.gather(
+            *(run_session(i, args, client, model, deadline, report, done) for i in range(args.sessions))
+        )
         injector.cancel()
         try:
             stats = (await client.get(args.url + "/v1/kv/stats")).json()
@@ -351,19 +385,30 @@ async def drive(args, report: Report, can_kill: bool) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="a running app (default: deploy one on an own Ray cluster)")
     p.add_argument("--app", default="soak", help="Serve application name (faults look its replicas up)")
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--duration-s", type=float, default=300.0, help="no new turn starts after this")
-    p.add_argument("--decode-ttl-s", type=float, default=60.0, help="own app: decode pin time (pinned blocks are read after it)")
+    p.add_argument(
+        "--decode-ttl-s",
+        type=float,
+        default=60.0,
+        help="own app: decode pin time (pinned blocks are read after it)",
+    )
     p.add_argument("--prefill-replicas", type=int, default=1)
     p.add_argument("--decode-replicas", type=int, default=2)
     p.add_argument("--port", type=int, default=8197)
     p.add_argument("--metrics-port", type=int, default=8198)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--kills-together", action="store_true", help="kill the prefill replica in the same moment as the decode replica")
+    p.add_argument(
+        "--kills-together",
+        action="store_true",
+        help="kill the prefill replica in the same moment as the decode replica",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -377,7 +422,13 @@ def main(argv=None) -> int:
         from app.builder import build
 
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=args.metrics_port)
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            _metrics_export_port=args.metrics_port,
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         args.url = f"http://127.0.0.1:{args.port}"
         serve.run(build(soak_config(args)), name=args.app, route_prefix="/")
@@ -419,7 +470,17 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report.config.pop("t0", None)
-    out.write_text(json.dumps({"summary": summary, "config": report.config, "turns": [asdict(t) for t in report.turns], "store_after_load": report.store_after_load}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "config": report.config,
+                "turns": [asdict(t) for t in report.turns],
+                "store_after_load": report.store_after_load,
+            },
+            indent=1,
+        )
+    )
     print("\n| figure | value |\n| --- | --- |")
     for key, value in summary.items():
         print(f"| {key} | {json.dumps(value)} |")

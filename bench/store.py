@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 from array import array
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from connector.handle import KVHandle, Location
@@ -53,20 +53,60 @@ NEW_MESSAGE = 512
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sessions", default="1000,10000,100000", help="live session counts, comma-separated (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="1k and 10k sessions, fewer operations, a 5 s actor run")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--sessions",
+        default="1000,10000,100000",
+        help="live session counts, comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="1k and 10k sessions, fewer operations, a 5 s actor run"
+    )
     p.add_argument("--tokens", type=int, default=8192, help="tokens per conversation (default: %(default)s)")
-    p.add_argument("--system", type=int, default=2048, help="shared system prompt tokens (default: %(default)s)")
-    p.add_argument("--chars-per-token", type=int, default=4, help="rendered text per token; 0: no text (default: %(default)s)")
-    p.add_argument("--engines", type=int, default=16, help="decode engines the handles are spread over (default: %(default)s)")
-    p.add_argument("--ops", type=int, default=2000, help="timed operations of each kind per size (default: %(default)s)")
-    p.add_argument("--actor", action=argparse.BooleanOptionalAction, default=True, help="also measure through the Ray actor")
-    p.add_argument("--actor-sessions", type=int, default=1000, help="sessions in the actor (default: %(default)s)")
-    p.add_argument("--actor-seconds", type=float, default=15.0, help="length of the actor run (default: %(default)s)")
-    p.add_argument("--callers", type=int, default=8, help="concurrent asyncio callers of the actor (default: %(default)s)")
+    p.add_argument(
+        "--system", type=int, default=2048, help="shared system prompt tokens (default: %(default)s)"
+    )
+    p.add_argument(
+        "--chars-per-token",
+        type=int,
+        default=4,
+        help="rendered text per token; 0: no text (default: %(default)s)",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=16,
+        help="decode engines the handles are spread over (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ops", type=int, default=2000, help="timed operations of each kind per size (default: %(default)s)"
+    )
+    p.add_argument(
+        "--actor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure through the Ray actor",
+    )
+    p.add_argument(
+        "--actor-sessions", type=int, default=1000, help="sessions in the actor (default: %(default)s)"
+    )
+    p.add_argument(
+        "--actor-seconds", type=float, default=15.0, help="length of the actor run (default: %(default)s)"
+    )
+    p.add_argument(
+        "--callers",
+        type=int,
+        default=8,
+        help="concurrent asyncio callers of the actor (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: bench/results/store.json)")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: bench/results/store.json)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         if args.sessions == p.get_default("sessions"):
@@ -90,8 +130,12 @@ class Fleet:
         self.system = array("i", (rng.randrange(1000, 100_000) for _ in range(args.system)))
         self.body = array("i", (rng.randrange(1000, 100_000) for _ in range(args.tokens)))
         cpt = args.chars_per_token
-        self.system_text = "".join(chr(97 + rng.randrange(26)) for _ in range(args.system * cpt)) if cpt else None
-        self.body_text = "".join(chr(97 + rng.randrange(26)) for _ in range(args.tokens * cpt)) if cpt else None
+        self.system_text = (
+            "".join(chr(97 + rng.randrange(26)) for _ in range(args.system * cpt)) if cpt else None
+        )
+        self.body_text = (
+            "".join(chr(97 + rng.randrange(26)) for _ in range(args.tokens * cpt)) if cpt else None
+        )
         self._serial = 0
 
     def unique(self, n: int, tag: int) -> array:
@@ -102,20 +146,35 @@ class Fleet:
         if self.body_text is None:
             return None
         head = f"<{tag:010d}>"
-        return (head + self.body_text[: n_tokens * self.args.chars_per_token])[: n_tokens * self.args.chars_per_token]
+        return (head + self.body_text[: n_tokens * self.args.chars_per_token])[
+            : n_tokens * self.args.chars_per_token
+        ]
 
     def handle(self, engine: int, num_tokens: int) -> KVHandle:
         self._serial += 1
         blocks = -(-num_tokens // BLOCK)
         return KVHandle(
-            Location.DECODE, f"engine-{engine}", f"req-{self._serial}", (tuple(range(blocks)),), "10.0.0.2", 5601, num_tokens - 1
+            Location.DECODE,
+            f"engine-{engine}",
+            f"req-{self._serial}",
+            (tuple(range(blocks)),),
+            "10.0.0.2",
+            5601,
+            num_tokens - 1,
         )
 
     def conversation(self, i: int) -> Conversation:
         a = self.args
         ids = self.system + self.unique(a.tokens - a.system, i)
         text = self.system_text + self.text(a.tokens - a.system, i) if self.system_text is not None else None
-        return Conversation(f"s{i}", ids, len(ids) - ANSWER, text, self.handle(i % a.engines, len(ids)), f"decode#{i % a.engines}")
+        return Conversation(
+            f"s{i}",
+            ids,
+            len(ids) - ANSWER,
+            text,
+            self.handle(i % a.engines, len(ids)),
+            f"decode#{i % a.engines}",
+        )
 
     def next_turn(self, conv: Conversation, tag: int) -> Conversation:
         """The session's next turn: 64 new prompt tokens and a 128-token answer."""
@@ -123,7 +182,14 @@ class Fleet:
         ids = conv.compact_ids + extra
         text = conv.text + self.text(NEXT_PROMPT + ANSWER, tag) if conv.text is not None else None
         engine = int(conv.handle.engine_id.rsplit("-", 1)[1])
-        return Conversation(conv.session_id, ids, len(conv.compact_ids) + NEXT_PROMPT, text, self.handle(engine, len(ids)), conv.decode_replica)
+        return Conversation(
+            conv.session_id,
+            ids,
+            len(conv.compact_ids) + NEXT_PROMPT,
+            text,
+            self.handle(engine, len(ids)),
+            conv.decode_replica,
+        )
 
 
 def new_store(sessions: int) -> HandleStore:
@@ -148,7 +214,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary_ms(values: list[float]) -> dict:
-    return {"p50_ms": pct(values, 0.5) * 1e3, "p99_ms": pct(values, 0.99) * 1e3, "mean_ms": statistics.fmean(values) * 1e3}
+    return {
+        "p50_ms": pct(values, 0.5) * 1e3,
+        "p99_ms": pct(values, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(values) * 1e3,
+    }
 
 
 # -- in process ---------------------------------------------------------------------------------
@@ -167,7 +237,9 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
     gc.collect()
     rss = rss_bytes() - rss0
     stats = store.stats()
-    log(f"  {n} sessions in {build_s:.1f} s; store {stats['bytes'] / 2**20:.0f} MiB, rss +{rss / 2**20:.0f} MiB")
+    log(
+        f"  {n} sessions in {build_s:.1f} s; store {stats['bytes'] / 2**20:.0f} MiB, rss +{rss / 2**20:.0f} MiB"
+    )
 
     gc.disable()  # time the store, not the collector's passes over 100k records
     try:
@@ -186,7 +258,11 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
         new_s = []
         for k in range(ops):
             prompt = list(fleet.system + fleet.unique(NEW_MESSAGE, 2 * 10**7 + k))
-            text = fleet.system_text + fleet.text(NEW_MESSAGE, 2 * 10**7 + k) if fleet.system_text is not None else None
+            text = (
+                fleet.system_text + fleet.text(NEW_MESSAGE, 2 * 10**7 + k)
+                if fleet.system_text is not None
+                else None
+            )
             t0 = time.perf_counter()
             sid, _ = store.match(prompt, text)
             new_s.append(time.perf_counter() - t0)
@@ -235,7 +311,11 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = HandleStoreActor.remote(
-            handle_ttl_s=420, decoder_ttl_s=480, max_sessions=10**6, max_blocks_per_engine=10**12, index_block_size=BLOCK
+            handle_ttl_s=420,
+            decoder_ttl_s=480,
+            max_sessions=10**6,
+            max_blocks_per_engine=10**12,
+            index_block_size=BLOCK,
         )
         n = args.actor_sessions
         # What an ingress replica uses: per-turn operations batched per shard.
@@ -244,9 +324,14 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
         async def preload():
             # Each session's earlier turns, through this client as through an ingress.
             for start in range(0, n, 64):
-                claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(start, min(n, start + 64))))
+                claims = await asyncio.gather(
+                    *(client.begin_turn(f"s{i}") for i in range(start, min(n, start + 64)))
+                )
                 await asyncio.gather(
-                    *(client.end_turn(c, TurnOutcome.UNUSED, fleet.conversation(int(c.session_id[1:]))) for c in claims)
+                    *(
+                        client.end_turn(c, TurnOutcome.UNUSED, fleet.conversation(int(c.session_id[1:])))
+                        for c in claims
+                    )
                 )
 
         async def caller(idx: int, stop_at: float, pairs: list[float]):
@@ -273,11 +358,15 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
 
         t0 = time.perf_counter()
         pairs, elapsed, cpu_s = asyncio.run(run())
-        log(f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), preload {time.perf_counter() - t0 - elapsed:.0f} s")
+        log(
+            f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), preload {time.perf_counter() - t0 - elapsed:.0f} s"
+        )
         # What a turn costs the shard's process (all its threads), whoever else shares the cores:
         # the rate one shard would sustain on a core of its own with callers that keep up.
         us_per_turn, per_cpu_s = 1e6 * cpu_s / max(1, len(pairs)), len(pairs) / max(cpu_s, 1e-9)
-        log(f"  shard CPU: {cpu_s:.1f} s, {us_per_turn:.0f} us a turn ({per_cpu_s:,.0f} turns per CPU-second)")
+        log(
+            f"  shard CPU: {cpu_s:.1f} s, {us_per_turn:.0f} us a turn ({per_cpu_s:,.0f} turns per CPU-second)"
+        )
         stats = ray.get(actor.stats.remote())
         return {
             "sessions": n,
@@ -335,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet(args)
     rng = random.Random(args.seed)
     results: dict = {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "sizes")},
         "in_process": [],

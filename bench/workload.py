@@ -119,7 +119,15 @@ class WorkloadSpec:
     history no longer repeats the generated text token for token."""
 
     def __post_init__(self):
-        for name in ("sessions", "turns", "concurrency", "system_tokens", "user_tokens", "tool_tokens", "answer_tokens"):
+        for name in (
+            "sessions",
+            "turns",
+            "concurrency",
+            "system_tokens",
+            "user_tokens",
+            "tool_tokens",
+            "answer_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if not 0.0 <= self.tool_prob <= 1.0:
@@ -170,7 +178,12 @@ class Workload:
             "exact_token_counts": self.exact_tokens,
             "later_turns_tool": kinds.count("tool"),
             "later_turns_user": kinds.count("user"),
-            "planned_history_tokens": [sum(t.tokens for t in s.turns) + self.spec.system_tokens + self.spec.answer_tokens * (len(s.turns) - 1) for s in self.sessions],
+            "planned_history_tokens": [
+                sum(t.tokens for t in s.turns)
+                + self.spec.system_tokens
+                + self.spec.answer_tokens * (len(s.turns) - 1)
+                for s in self.sessions
+            ],
         }
 
 
@@ -199,9 +212,19 @@ def generate(spec: WorkloadSpec, counter: TokenCounter, *, tag: str = "") -> Wor
                 if spec.tool_tokens_min is not None:
                     size = kinds.randint(spec.tool_tokens_min, spec.tool_tokens)
                 text = tool_output(rng, size, counter)
-                turns.append(TurnPlan("tool", ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},), counter.count(text), pause, name))
+                turns.append(
+                    TurnPlan(
+                        "tool",
+                        ({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": f"[{name}] {text}"},),
+                        counter.count(text),
+                        pause,
+                        name,
+                    )
+                )
             else:
                 text = f"Task {s}.{t}: " + prose(rng, spec.user_tokens, counter)
-                turns.append(TurnPlan("user", ({"role": "user", "content": text},), counter.count(text), pause))
+                turns.append(
+                    TurnPlan("user", ({"role": "user", "content": text},), counter.count(text), pause)
+                )
         sessions.append(SessionPlan(s, tuple(turns)))
     return Workload(spec, system, tuple(sessions), counter.exact)

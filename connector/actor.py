@@ -33,14 +33,22 @@ import pickle
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from connector.store import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, ConversationTail, HandleStore, TurnOutcome
+from connector.store import (
+    DEFAULT_MAX_STORE_BYTES,
+    Claim,
+    Conversation,
+    ConversationTail,
+    HandleStore,
+    TurnOutcome,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -158,7 +166,9 @@ class HandleStoreActor:
         return {**self._store.stats(), "settings": self._settings, "cpu_s": time.process_time()}
 
 
-@serve.deployment(name="SessionStore", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    name="SessionStore", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+)
 class SessionStore:
     """Owns the shards of one app's store (created here, they share this replica's fate).
     Called by ingress replicas: `shards()` at their first store call and after a failure."""
@@ -196,7 +206,12 @@ class StoreClient:
     """Conversations this client stored last (per session, LRU): a session's next turn
     that lands here again is not sent back by the store."""
 
-    def __init__(self, source: ShardSource, expected: StoreSettings | None = None, timeout_s: float = STORE_CALL_TIMEOUT_S):
+    def __init__(
+        self,
+        source: ShardSource,
+        expected: StoreSettings | None = None,
+        timeout_s: float = STORE_CALL_TIMEOUT_S,
+    ):
         self._source = source
         self._expected = expected
         self._timeout = timeout_s
@@ -206,7 +221,7 @@ class StoreClient:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def of_deployment(cls, handle, expected: StoreSettings, **kwargs) -> "StoreClient":
+    def of_deployment(cls, handle, expected: StoreSettings, **kwargs) -> StoreClient:
         """Shards owned by a `SessionStore` deployment (its `DeploymentHandle`)."""
 
         async def source():
@@ -215,7 +230,7 @@ class StoreClient:
         return cls(source, expected, **kwargs)
 
     @classmethod
-    def of_actors(cls, actors: list, **kwargs) -> "StoreClient":
+    def of_actors(cls, actors: list, **kwargs) -> StoreClient:
         async def source():
             return None, actors
 
@@ -240,7 +255,7 @@ class StoreClient:
     async def _call(self, ref) -> Any:
         try:
             return await asyncio.wait_for(ref, self._timeout)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ray.exceptions.RayError) as exc:
             # The shard is restarting or its owner is gone: fetch the shards again next time.
             self._actors = None
             raise StoreUnavailable(f"store call failed: {exc!r}") from exc
@@ -252,12 +267,16 @@ class StoreClient:
             # Queued behind the batches in flight (each bound by a call deadline, and sent
             # in order), then sent itself: two deadlines at most.
             return await asyncio.wait_for(queued, 2 * self._timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise StoreUnavailable(f"store {op} got no answer in {2 * self._timeout:.0f} s") from exc
 
-    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
+    async def match(
+        self, prompt_ids: Sequence[int], prompt_text: str | None = None
+    ) -> tuple[str | None, int]:
         actors = await self._shards()
-        results = await asyncio.gather(*(self._call(a.match.remote(list(prompt_ids), prompt_text)) for a in actors))
+        results = await asyncio.gather(
+            *(self._call(a.match.remote(list(prompt_ids), prompt_text)) for a in actors)
+        )
         return max(results, key=lambda r: (r[0] is not None, r[1]))
 
     async def begin_turn(self, session_id: str) -> Claim:
@@ -269,7 +288,11 @@ class StoreClient:
         return claim
 
     async def end_turn(
-        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks: int | None = None
+        self,
+        claim: Claim,
+        outcome: TurnOutcome,
+        conversation: Conversation | None,
+        engine_blocks: int | None = None,
     ) -> None:
         """Settle the claim and store the turn. `engine_blocks`: the block count of the
         engine the new turn's handle pins on, if known; the shard takes its part of it
@@ -358,7 +381,9 @@ class _ShardQueue:
 
     async def _send_batch(self, batch: list[tuple[str, tuple, asyncio.Future]]) -> None:
         try:
-            results = pickle.loads(await self._call(self._actor.apply.remote(pack([(op, args) for op, args, _ in batch]))))
+            results = pickle.loads(
+                await self._call(self._actor.apply.remote(pack([(op, args) for op, args, _ in batch])))
+            )
         except StoreUnavailable as exc:
             results = [(False, exc)] * len(batch)
         except Exception as exc:  # never leave a caller waiting

@@ -16,8 +16,9 @@ Two directions use the same shape:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 # Bumped when the set of keys we read or write changes.
 WIRE_VERSION = 1
@@ -65,7 +66,7 @@ class KVHandle:
     def num_blocks(self) -> int:
         return sum(len(group) for group in self.block_ids)
 
-    def capped(self, num_tokens: int, block_size: int) -> "KVHandle":
+    def capped(self, num_tokens: int, block_size: int) -> KVHandle:
         """The leading blocks that hold the first `num_tokens` positions, and no others.
 
         The block list must shrink with the token count: a reader aligns the owner's
@@ -82,7 +83,7 @@ class KVHandle:
         )
 
     @classmethod
-    def from_wire(cls, params: Mapping[str, Any] | None) -> "KVHandle":
+    def from_wire(cls, params: Mapping[str, Any] | None) -> KVHandle:
         """Parse an engine's final `kv_transfer_params`.
 
         Raises `WireError` if the params do not describe pinned blocks (e.g. the engine
@@ -173,4 +174,3 @@ def prefill_params(history: KVHandle | None) -> dict[str, Any]:
     if history.location is not Location.DECODE:
         raise WireError("prefill can only read history held by a decode engine")
     return history.to_wire()
-

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from connector.vllm_plugin import Unsupported, apply_patch, require, require_set_in_init
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
-from typing import Mapping
+from collections.abc import Mapping
 
 NAMESPACE = re.compile(r"^(k[0-9a-f]{12}:|internal:)")
 
@@ -35,7 +35,9 @@ class TenantShares:
     stored conversations, oldest first; per tenant: its conversations, least recently
     used first."""
 
-    def __init__(self, weights: Mapping[str, float] | None = None, max_sessions: Mapping[str, int] | None = None):
+    def __init__(
+        self, weights: Mapping[str, float] | None = None, max_sessions: Mapping[str, int] | None = None
+    ):
         self._weights = dict(weights or {})
         self._max_sessions = dict(max_sessions or {})
         self.blocks: Counter[tuple[str, str]] = Counter()

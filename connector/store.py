@@ -36,9 +36,9 @@ import sys
 import time
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Iterable, Mapping, Sequence
 
 from connector.handle import KVHandle
 from connector.shares import TenantShares, tenant_of
@@ -79,7 +79,9 @@ _TRANSITIONS: dict[HandleState, frozenset[HandleState]] = {
             HandleState.ENDED,
         }
     ),
-    HandleState.CLAIMED: frozenset({HandleState.PULLED, HandleState.UNUSED, HandleState.FAILED, HandleState.EXPIRED}),
+    HandleState.CLAIMED: frozenset(
+        {HandleState.PULLED, HandleState.UNUSED, HandleState.FAILED, HandleState.EXPIRED}
+    ),
 }
 """Allowed handle transitions; every other state is final."""
 
@@ -199,7 +201,7 @@ class ConversationTail:
     decode_replica: str | None
 
     @classmethod
-    def of(cls, conversation: Conversation, base: Conversation) -> "ConversationTail | None":
+    def of(cls, conversation: Conversation, base: Conversation) -> ConversationTail | None:
         """`conversation` as a tail over `base`; None when it does not extend it (ids and
         rendered text both start with `base`'s, or neither has text)."""
         if conversation.session_id != base.session_id or (conversation.text is None) != (base.text is None):
@@ -213,12 +215,28 @@ class ConversationTail:
             if not conversation.text.startswith(base.text):
                 return None
             text = conversation.text[len(base.text) :]
-        return cls(conversation.session_id, n, ids[n:], text, conversation.prompt_len, conversation.handle, conversation.decode_replica)
+        return cls(
+            conversation.session_id,
+            n,
+            ids[n:],
+            text,
+            conversation.prompt_len,
+            conversation.handle,
+            conversation.decode_replica,
+        )
 
     def __reduce__(self):  # positional: cheaper than the dataclass's own field-by-field state
         return (
             ConversationTail,
-            (self.session_id, self.base_tokens, self.ids, self.text, self.prompt_len, self.handle, self.decode_replica),
+            (
+                self.session_id,
+                self.base_tokens,
+                self.ids,
+                self.text,
+                self.prompt_len,
+                self.handle,
+                self.decode_replica,
+            ),
         )
 
     def over(self, base_ids: array, base_text: str | None) -> Conversation | None:
@@ -227,7 +245,9 @@ class ConversationTail:
         if len(base_ids) != self.base_tokens or (base_text is None) != (self.text is None):
             return None
         text = base_text + self.text if base_text is not None else None
-        return Conversation(self.session_id, base_ids + self.ids, self.prompt_len, text, self.handle, self.decode_replica)
+        return Conversation(
+            self.session_id, base_ids + self.ids, self.prompt_len, text, self.handle, self.decode_replica
+        )
 
 
 @dataclass(frozen=True)
@@ -287,7 +307,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int
     return n
 
 
-def restrict(handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int], block_size: int) -> tuple[KVHandle, int]:
+def restrict(
+    handle: KVHandle, prompt_ids: Sequence[int], held_ids: Iterable[int], block_size: int
+) -> tuple[KVHandle, int]:
     """Cap `handle` to the positions where the decode engine's tokens equal the new
     prompt's, never the prompt's last token (prefill must compute at least one).
 
@@ -325,12 +347,26 @@ class _Record:
     """One stored conversation, compact: the store's own form of a `Conversation`."""
 
     __slots__ = (
-        "session_id", "tokens", "prompt_len", "text", "handle", "decode_replica", "state",
-        "stored_at", "expires_at", "token_keys", "text_key", "chain", "text_chain", "nbytes",
+        "session_id",
+        "tokens",
+        "prompt_len",
+        "text",
+        "handle",
+        "decode_replica",
+        "state",
+        "stored_at",
+        "expires_at",
+        "token_keys",
+        "text_key",
+        "chain",
+        "text_chain",
+        "nbytes",
     )
 
     def conversation(self) -> Conversation:
-        return Conversation(self.session_id, self.tokens, self.prompt_len, self.text, self.handle, self.decode_replica)
+        return Conversation(
+            self.session_id, self.tokens, self.prompt_len, self.text, self.handle, self.decode_replica
+        )
 
 
 class _Lease:
@@ -385,14 +421,18 @@ class _PinLedger:
     def hold(self, handle: KVHandle) -> None:
         self.waiting[handle.engine_id] += handle.num_blocks
 
-    def let_go(self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float) -> None:
+    def let_go(
+        self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float
+    ) -> None:
         """A held handle leaves; unless it was read or its engine is gone, its release
         goes to the outbox and its blocks stay counted until taken or freed by the TTL."""
         self.waiting[handle.engine_id] -= handle.num_blocks
         if reason not in (HandleState.PULLED, HandleState.DROPPED):
             self.unread_handle(handle, reason, stored_at, decode_replica, now)
 
-    def unread_handle(self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float) -> None:
+    def unread_handle(
+        self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float
+    ) -> None:
         """A handle nobody will read (held or never stored): release it."""
         freed_at = stored_at + self._decoder_ttl
         key = (handle.engine_id, handle.request_id)
@@ -548,7 +588,12 @@ class HandleStore:
             (record.tokens, record.text) if record is not None else None,
         )
         self._open.setdefault(session_id, set()).add(lease_id)
-        same = known is not None and record is not None and record.handle is not None and record.handle.request_id == known
+        same = (
+            known is not None
+            and record is not None
+            and record.handle is not None
+            and record.handle.request_id == known
+        )
         return Claim(
             lease_id=lease_id,
             session_id=session_id,
@@ -600,7 +645,11 @@ class HandleStore:
                 return
             base = lease.base
         if conversation is not None:
-            if engine_blocks and conversation.handle is not None and not self._pins.knows(conversation.handle.engine_id):
+            if (
+                engine_blocks
+                and conversation.handle is not None
+                and not self._pins.knows(conversation.handle.engine_id)
+            ):
                 self._pins.set_capacity(conversation.handle.engine_id, engine_blocks)
             self.put(conversation, base)
 
@@ -756,7 +805,13 @@ class HandleStore:
             if (base is not None and base[0] is old.tokens) or tokens[:n] == old.tokens[:n]:
                 start, prev = old.chain
         # Only the blocks past the previous chain are read (a turn adds a few to thousands).
-        hashes = _token_chain(tokens[start * block : all_blocks * block].tobytes(), block * tokens.itemsize, all_blocks - start, 0, prev)
+        hashes = _token_chain(
+            tokens[start * block : all_blocks * block].tobytes(),
+            block * tokens.itemsize,
+            all_blocks - start,
+            0,
+            prev,
+        )
 
         def at(blocks: int) -> int | None:
             return None if blocks == 0 else prev if blocks == start else hashes[blocks - start - 1]
@@ -771,7 +826,9 @@ class HandleStore:
             blocks, start, prev = len(text) // width, 0, 0
             if old is not None and old.text is not None:
                 n = old.text_chain[0] * width
-                if (base is not None and base[1] is old.text) or (n <= len(text) and text[:n] == old.text[:n]):
+                if (base is not None and base[1] is old.text) or (
+                    n <= len(text) and text[:n] == old.text[:n]
+                ):
                     start, prev = old.text_chain
             text_hashes = _text_chain(text, width, blocks, start, prev)
             last = text_hashes[-1] if text_hashes else prev
@@ -779,7 +836,10 @@ class HandleStore:
             record.text_key = last if blocks else None
         handle_bytes = 36 * record.handle.num_blocks if record.handle is not None else 0
         record.nbytes = (
-            tokens.itemsize * len(tokens) + (sys.getsizeof(text) if text is not None else 0) + handle_bytes + _RECORD_OVERHEAD
+            tokens.itemsize * len(tokens)
+            + (sys.getsizeof(text) if text is not None else 0)
+            + handle_bytes
+            + _RECORD_OVERHEAD
         )
         return record
 
@@ -907,7 +967,10 @@ class HandleStore:
         # ones lowers it, the oldest of the tenant most over its share first
         # (`TenantShares.victim`). Unread blocks are being released.
         budget = self._pins.budget(engine_id)
-        while self._pins.waiting[engine_id] > budget and (session_id := self._shares.victim(engine_id)) is not None:
+        while (
+            self._pins.waiting[engine_id] > budget
+            and (session_id := self._shares.victim(engine_id)) is not None
+        ):
             self._leave(self._records[session_id], HandleState.EVICTED)
             self.counts["evicted_for_blocks"] += 1
             self.tenant_counts[(tenant_of(session_id), "evicted_for_blocks")] += 1

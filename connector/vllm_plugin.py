@@ -129,7 +129,13 @@ def apply_patch(what: str, patch, *args) -> bool:
     try:
         patch(*args)
     except Unsupported as e:
-        logger.warning("kvturn: %s is off in this engine: %s (vLLM %s; written for %sx)", what, e, vllm_version(), SUPPORTED_VLLM)
+        logger.warning(
+            "kvturn: %s is off in this engine: %s (vLLM %s; written for %sx)",
+            what,
+            e,
+            vllm_version(),
+            SUPPORTED_VLLM,
+        )
         return False
     return True
 
@@ -146,7 +152,9 @@ def require(obj, *names: str) -> None:
     """Raise `Unsupported` naming those of `names` that `obj` lacks."""
     missing = [name for name in names if not hasattr(obj, name)]
     if missing:
-        raise Unsupported(f"{getattr(obj, '__name__', type(obj).__name__)} has no {', '.join(map(repr, missing))}")
+        raise Unsupported(
+            f"{getattr(obj, '__name__', type(obj).__name__)} has no {', '.join(map(repr, missing))}"
+        )
 
 
 def require_set_in_init(cls: type, *names: str) -> None:
@@ -156,7 +164,11 @@ def require_set_in_init(cls: type, *names: str) -> None:
     import inspect
 
     try:
-        source = "".join(inspect.getsource(k.__dict__["__init__"]) for k in cls.__mro__ if "__init__" in k.__dict__ and k is not object)
+        source = "".join(
+            inspect.getsource(k.__dict__["__init__"])
+            for k in cls.__mro__
+            if "__init__" in k.__dict__ and k is not object
+        )
     except (OSError, TypeError):
         return
     for name in names:
@@ -291,7 +303,9 @@ class _OsKeepingAffinity:
     def sched_setaffinity(self, pid: int, cores) -> None:
         logger.info(
             "keeping CPU affinity %s of pid %d (the NIXL worker asked for cores %s)",
-            sorted(self._inner.sched_getaffinity(pid)), pid, sorted(cores),
+            sorted(self._inner.sched_getaffinity(pid)),
+            pid,
+            sorted(cores),
         )
 
     def __getattr__(self, name):
@@ -331,7 +345,9 @@ def guard_lifetime(owner_pid: int, poll_s: float = GUARD_POLL_S) -> threading.Th
         return _guard[1]
     parent = os.getppid()
     set_parent_death_signal()
-    thread = threading.Thread(target=_watch, args=(owner_pid, parent, poll_s), name="kvturn-lifetime-guard", daemon=True)
+    thread = threading.Thread(
+        target=_watch, args=(owner_pid, parent, poll_s), name="kvturn-lifetime-guard", daemon=True
+    )
     thread.start()
     _guard = (me, thread)
     return thread
@@ -369,7 +385,9 @@ def owner_gone(owner_pid: int, parent_pid: int) -> bool:
 def _watch(owner_pid: int, parent_pid: int, poll_s: float) -> None:
     while not owner_gone(owner_pid, parent_pid):
         time.sleep(poll_s)
-    logger.warning("owner process %d is gone: killing vLLM process %d and its children", owner_pid, os.getpid())
+    logger.warning(
+        "owner process %d is gone: killing vLLM process %d and its children", owner_pid, os.getpid()
+    )
     kill_tree()
 
 

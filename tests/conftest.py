@@ -53,8 +53,6 @@ def config_with(tree: dict, overrides: dict):
 def pd_config(**overrides):
     from vllm.config import StructuredOutputsConfig
 
-    from app.config import AppConfig
-
     tree = {
         "mode": "bidir",
         "model": str(MODEL),
@@ -68,7 +66,11 @@ def pd_config(**overrides):
             "num_cpus": 0.5,
             "num_replicas": 2,
             "kv_cache_memory_bytes": 128 << 20,
-            "engine_kwargs": {"structured_outputs_config": StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)},
+            "engine_kwargs": {
+                "structured_outputs_config": StructuredOutputsConfig(
+                    backend="xgrammar", disable_any_whitespace=True
+                )
+            },
         },
         # Every turn through prefill (it pulls the history): the path these tests prove.
         # tests/e2e/test_decode_local.py turns decode-local turns on in an app of its own.

@@ -18,7 +18,9 @@ def test_no_keys_checks_nothing():
     assert keys.handle_namespace(None) == "" and keys.handle_namespace("x") == ""
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer  ", "Basic k1", "k1", "Bearer k3", "Bearer k1x"])
+@pytest.mark.parametrize(
+    "header", [None, "", "Bearer", "Bearer  ", "Basic k1", "k1", "Bearer k3", "Bearer k1x"]
+)
 def test_missing_or_wrong_key_is_401(header):
     with pytest.raises(APIError) as err:
         ApiKeys(("k1", "k2")).namespace(header)

@@ -34,7 +34,18 @@ def smoke(tmp_path_factory):
     assert port != SHARED_CLUSTER_PORT
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--profile", "smoke", "--out", str(out), "--port", str(port), "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--profile",
+            "smoke",
+            "--out",
+            str(out),
+            "--port",
+            str(port),
+            "--no-progress",
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -64,7 +75,9 @@ def test_every_mode_measured_every_turn(smoke):
             assert row["completion_tokens"] == sessions * results["workload"]["answer_tokens"], (mode, row)
         # the second turn re-sends the first turn's prompt and answer
         t1, t2 = data["turns"]
-        assert t2["prompt_tokens_mean"] > t1["prompt_tokens_mean"] + results["workload"]["answer_tokens"], mode
+        assert t2["prompt_tokens_mean"] > t1["prompt_tokens_mean"] + results["workload"]["answer_tokens"], (
+            mode
+        )
 
 
 def test_ratios_per_turn(smoke):
@@ -105,7 +118,9 @@ def test_bidir_pulls_history_and_oneway_does_not(smoke):
 def test_outputs_written(smoke):
     results, out, stdout = smoke
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| turn | prompt tokens | TTFT p50 oneway (s) | TTFT p50 bidir (s) | TTFT p50 single (s) |" in stdout
+    assert (
+        "| turn | prompt tokens | TTFT p50 oneway (s) | TTFT p50 bidir (s) | TTFT p50 single (s) |" in stdout
+    )
     assert results["profile"] == "smoke" and results["duration_s"] > 0
     requests = results["modes"]["bidir"]["requests"]
     assert len(requests) == 4 and all(r["ok"] for r in requests)

@@ -119,7 +119,11 @@ def test_from_args_dotted_key_under_scalar(model_dir):
 def test_handle_ttl_must_be_below_decoder_ttl(model_dir):
     with pytest.raises(ValidationError, match="handle_ttl_s must be shorter"):
         AppConfig.model_validate(
-            {"model": model_dir, "sessions": {"handle_ttl_s": 480}, "transfer": {"decoder_kv_blocks_ttl_s": 480}}
+            {
+                "model": model_dir,
+                "sessions": {"handle_ttl_s": 480},
+                "transfer": {"decoder_kv_blocks_ttl_s": 480},
+            }
         )
     with pytest.raises(ValidationError, match="handle_ttl_s must be shorter"):
         AppConfig.from_args({"model": model_dir, "sessions.handle_ttl_s": "600"})
@@ -171,7 +175,9 @@ def test_bad_values(model_dir, tree, message):
 
 
 def test_tp_may_differ_in_single_mode(model_dir):
-    cfg = AppConfig.model_validate({"model": model_dir, "mode": "single", "decode": {"tensor_parallel_size": 2}})
+    cfg = AppConfig.model_validate(
+        {"model": model_dir, "mode": "single", "decode": {"tensor_parallel_size": 2}}
+    )
     assert cfg.decode.tensor_parallel_size == 2
 
 

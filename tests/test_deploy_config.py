@@ -34,7 +34,19 @@ PROJECT_DIR = "~/kvturn"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 UCX_TLS_REQUIRED = {"srd", "cuda_copy", "cuda_ipc"}
 # Transports EFA does not offer: UCX warns for each one listed in UCX_TLS.
-UCX_TLS_NOT_ON_EFA = {"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x"}
+UCX_TLS_NOT_ON_EFA = {
+    "rc",
+    "rc_v",
+    "rc_x",
+    "rc_verbs",
+    "rc_mlx5",
+    "dc",
+    "dc_x",
+    "dc_mlx5",
+    "ud",
+    "ud_v",
+    "ud_x",
+}
 
 
 # -- loading -----------------------------------------------------------------------------
@@ -114,7 +126,9 @@ def efa_problems(cluster: dict[str, Any], node_type: str) -> list[str]:
     if len(nics) != P5EN_EFA_CARDS:
         problems.append(f"{len(nics)} network interfaces, p5en has {P5EN_EFA_CARDS} EFA cards")
     cards = [nic.get("NetworkCardIndex") for nic in nics]
-    if sorted(c for c in cards if isinstance(c, int)) != list(range(len(nics))) or len(set(cards)) != len(cards):
+    if sorted(c for c in cards if isinstance(c, int)) != list(range(len(nics))) or len(set(cards)) != len(
+        cards
+    ):
         problems.append(f"NetworkCardIndex values are not distinct 0..{len(nics) - 1}: {cards}")
     primary = [nic for nic in nics if nic.get("InterfaceType") == "efa"]
     if len(primary) != 1:
@@ -133,7 +147,9 @@ def efa_problems(cluster: dict[str, Any], node_type: str) -> list[str]:
     if any(nic.get("AssociatePublicIpAddress") for nic in nics):
         problems.append("an interface asks for a public IP")
     if any("AssociatePublicIpAddress" in nic for nic in secondary):
-        problems.append("AssociatePublicIpAddress on an efa-only interface (EC2 accepts it on DeviceIndex 0 only)")
+        problems.append(
+            "AssociatePublicIpAddress on an efa-only interface (EC2 accepts it on DeviceIndex 0 only)"
+        )
     subnets = {nic.get("SubnetId") for nic in nics}
     if len(subnets) != 1 or not str(next(iter(subnets), "")).startswith("subnet-"):
         problems.append(f"interfaces are not all in one subnet: {subnets}")
@@ -157,7 +173,9 @@ def role_problems(args: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
     for role, pool in ROLE_POOL.items():
         spec = getattr(cfg, role)
         if spec.num_gpus != spec.tensor_parallel_size:
-            problems.append(f"{role}: num_gpus {spec.num_gpus} != tensor_parallel_size {spec.tensor_parallel_size}")
+            problems.append(
+                f"{role}: num_gpus {spec.num_gpus} != tensor_parallel_size {spec.tensor_parallel_size}"
+            )
         if set(spec.resources) != {pool}:
             problems.append(f"{role}: resources {spec.resources} must name exactly {pool!r}")
             continue
@@ -252,10 +270,30 @@ def _unshare(c):
         (lambda c: _nics(c)[0].pop("AssociatePublicIpAddress"), "AssociatePublicIpAddress"),
         (lambda c: _nics(c)[4].__setitem__("AssociatePublicIpAddress", False), "efa-only interface"),
         (lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].pop("Placement"), "Placement"),
-        (lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__("ImageId", "latest_dlami"), "ami-"),
-        (lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__("SubnetIds", ["subnet-x"]), "SubnetIds"),
-        (lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__("InstanceType", "p5.48xlarge"), "InstanceType"),
-        (lambda c: c["available_node_types"]["head"]["node_config"].__setitem__("SecurityGroupIds", ["sg-head"]), "head's security group"),
+        (
+            lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__(
+                "ImageId", "latest_dlami"
+            ),
+            "ami-",
+        ),
+        (
+            lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__(
+                "SubnetIds", ["subnet-x"]
+            ),
+            "SubnetIds",
+        ),
+        (
+            lambda c: c["available_node_types"]["prefill_gpu"]["node_config"].__setitem__(
+                "InstanceType", "p5.48xlarge"
+            ),
+            "InstanceType",
+        ),
+        (
+            lambda c: c["available_node_types"]["head"]["node_config"].__setitem__(
+                "SecurityGroupIds", ["sg-head"]
+            ),
+            "head's security group",
+        ),
     ],
 )
 def test_efa_rules_catch_mistakes(cluster, breakage, expected):
@@ -412,8 +450,14 @@ def test_serve_gpu_fields_match_cluster_pools(app_entry, cluster):
         ({"decode.resources": {"decode_pool": 1}}, "asks 1.0 decode_pool units for 2.0 GPUs"),
         ({"prefill.num_replicas": 9}, "offers at most 16"),
         (
-            {"prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 3, "prefill.num_gpus": 3,
-             "decode.num_gpus": 3, "prefill.resources": {"prefill_pool": 3}, "decode.resources": {"decode_pool": 3}},
+            {
+                "prefill.tensor_parallel_size": 3,
+                "decode.tensor_parallel_size": 3,
+                "prefill.num_gpus": 3,
+                "decode.num_gpus": 3,
+                "prefill.resources": {"prefill_pool": 3},
+                "decode.resources": {"decode_pool": 3},
+            },
             "do not pack",
         ),
     ],
@@ -445,9 +489,16 @@ def test_serve_env_agrees_with_cluster_env(app_entry, cluster):
 
 def test_ec2_doc_names_the_commands(cluster):
     doc = EC2_DOC.read_text()
-    for command in ("ray up cluster.yaml", "ray attach cluster.yaml", "serve deploy", "ray down cluster.yaml",
-                    "fi_info -p efa", "create-placement-group", "--strategy cluster",
-                    "base-oss-nvidia-driver-gpu-ubuntu-22.04"):
+    for command in (
+        "ray up cluster.yaml",
+        "ray attach cluster.yaml",
+        "serve deploy",
+        "ray down cluster.yaml",
+        "fi_info -p efa",
+        "create-placement-group",
+        "--strategy cluster",
+        "base-oss-nvidia-driver-gpu-ubuntu-22.04",
+    ):
         assert command in doc, command
     for node_type in GPU_NODE_TYPES:
         assert node_type in doc, node_type

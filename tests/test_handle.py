@@ -80,7 +80,11 @@ def test_from_wire_flat_block_list_is_one_group():
 
 
 def test_from_wire_missing_optional_fields_default():
-    params = {k: v for k, v in DECODE_SIDE.items() if k not in ("tp_size", "dcp_size", "pp_size", "remote_num_tokens", "transfer_mode")}
+    params = {
+        k: v
+        for k, v in DECODE_SIDE.items()
+        if k not in ("tp_size", "dcp_size", "pp_size", "remote_num_tokens", "transfer_mode")
+    }
     h = KVHandle.from_wire(params)
     assert (h.tp_size, h.dcp_size, h.pp_size, h.num_tokens, h.transfer_mode) == (1, 1, 1, 0, None)
 
@@ -148,7 +152,17 @@ def test_wire_error_is_value_error():
 
 @pytest.mark.parametrize(
     "cap, expected, blocks",
-    [(0, 0, ()), (-5, 0, ()), (100, 100, (1,)), (128, 128, (1,)), (129, 129, (1, 2)), (308, 308, (1, 2, 3)), (309, 309, (1, 2, 3)), (310, 309, (1, 2, 3)), (10_000, 309, (1, 2, 3))],
+    [
+        (0, 0, ()),
+        (-5, 0, ()),
+        (100, 100, (1,)),
+        (128, 128, (1,)),
+        (129, 129, (1, 2)),
+        (308, 308, (1, 2, 3)),
+        (309, 309, (1, 2, 3)),
+        (310, 309, (1, 2, 3)),
+        (10_000, 309, (1, 2, 3)),
+    ],
 )
 def test_capped_never_raises_and_keeps_only_leading_blocks(cap, expected, blocks):
     h = KVHandle.from_wire(DECODE_SIDE)

@@ -45,12 +45,29 @@ def recording(obj):
 
 
 def result(**kw):
-    base = dict(prompt_tokens=500, cached_tokens=320, reused_from_decode=288, miss_reason=None, timings={"first_token_s": 0.42})
+    base = dict(
+        prompt_tokens=500,
+        cached_tokens=320,
+        reused_from_decode=288,
+        miss_reason=None,
+        timings={"first_token_s": 0.42},
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 @pytest.mark.parametrize(
-    "index, bucket", [(None, "unknown"), (0, "unknown"), (1, "1"), (2, "2"), (3, "3-4"), (4, "3-4"), (8, "5-8"), (16, "9-16"), (17, "17+")]
+    "index, bucket",
+    [
+        (None, "unknown"),
+        (0, "unknown"),
+        (1, "1"),
+        (2, "2"),
+        (3, "3-4"),
+        (4, "3-4"),
+        (8, "5-8"),
+        (16, "9-16"),
+        (17, "17+"),
+    ],
 )
 def test_turn_bucket(index, bucket):
     assert metrics.turn_bucket(index) == bucket
@@ -66,7 +83,9 @@ def test_chat_turn_index_counts_assistant_messages():
 def test_record_turn_splits_prompt_tokens():
     m = recording(metrics.TurnMetrics("bidir"))
     m.record_turn(result(), 2)
-    m.record_turn(result(prompt_tokens=100, cached_tokens=0, reused_from_decode=0, miss_reason="no_conversation"), 1)
+    m.record_turn(
+        result(prompt_tokens=100, cached_tokens=0, reused_from_decode=0, miss_reason="no_conversation"), 1
+    )
     t2 = {"mode": "bidir", "turn": "2"}
     assert m.pulled.get(**t2) == 288 and m.cached.get(**t2) == 320 and m.computed.get(**t2) == 180
     assert m.prompt_tokens.get(**t2) == 500 and m.turns.get(**t2) == 1
@@ -77,19 +96,38 @@ def test_record_turn_splits_prompt_tokens():
 
 def test_turn_hops_split_the_time_to_first_token():
     timings = {
-        "store_s": 0.002, "session_s": 0.005, "prefill_queue_s": 0.001, "prefill_engine_s": 0.100,
-        "prefill_s": 0.120, "decode_queue_s": 0.0, "decode_engine_s": 0.030, "first_token_s": 0.160,
+        "store_s": 0.002,
+        "session_s": 0.005,
+        "prefill_queue_s": 0.001,
+        "prefill_engine_s": 0.100,
+        "prefill_s": 0.120,
+        "decode_queue_s": 0.0,
+        "decode_engine_s": 0.030,
+        "first_token_s": 0.160,
     }
     hops = metrics.turn_hops(timings)
     assert hops == pytest.approx(
-        {"store": 0.002, "verify": 0.003, "prefill_engine": 0.100, "prefill_transport": 0.015, "decode_engine": 0.030, "decode_transport": 0.010}
+        {
+            "store": 0.002,
+            "verify": 0.003,
+            "prefill_engine": 0.100,
+            "prefill_transport": 0.015,
+            "decode_engine": 0.030,
+            "decode_transport": 0.010,
+        }
     )
     assert sum(hops.values()) == pytest.approx(timings["first_token_s"])
     # One engine (single mode): no prefill leg, decode's span starts after the session.
-    single = metrics.turn_hops({"store_s": 0.001, "session_s": 0.002, "decode_engine_s": 0.05, "first_token_s": 0.06})
-    assert single == pytest.approx({"store": 0.001, "verify": 0.001, "decode_engine": 0.05, "decode_transport": 0.008})
+    single = metrics.turn_hops(
+        {"store_s": 0.001, "session_s": 0.002, "decode_engine_s": 0.05, "first_token_s": 0.06}
+    )
+    assert single == pytest.approx(
+        {"store": 0.001, "verify": 0.001, "decode_engine": 0.05, "decode_transport": 0.008}
+    )
     # A leg without the engine's stats (a failed prefill) leaves its hops out.
-    assert "prefill_engine" not in metrics.turn_hops({"store_s": 0.0, "session_s": 0.0, "prefill_s": 0.2, "first_token_s": 0.3})
+    assert "prefill_engine" not in metrics.turn_hops(
+        {"store_s": 0.0, "session_s": 0.0, "prefill_s": 0.2, "first_token_s": 0.3}
+    )
 
 
 def test_record_turn_observes_each_hop():
@@ -111,8 +149,26 @@ def test_sync_events_exports_growth_only():
 
 def test_store_gauges_sum_shards_and_zero_states_that_left():
     g = recording(metrics.StoreGauges())
-    shard = {"sessions": 3, "handles": {"stored": 2, "claimed": 1}, "claimed_handles": 1, "pinned_blocks": {"d-1": 12}, "counts": {"pulled": 4}}
-    g.update({"shards": [shard, {"sessions": 1, "handles": {"stored": 1}, "pinned_blocks": {"d-2": 3}, "counts": {"pulled": 1}}]})
+    shard = {
+        "sessions": 3,
+        "handles": {"stored": 2, "claimed": 1},
+        "claimed_handles": 1,
+        "pinned_blocks": {"d-1": 12},
+        "counts": {"pulled": 4},
+    }
+    g.update(
+        {
+            "shards": [
+                shard,
+                {
+                    "sessions": 1,
+                    "handles": {"stored": 1},
+                    "pinned_blocks": {"d-2": 3},
+                    "counts": {"pulled": 1},
+                },
+            ]
+        }
+    )
     assert g.handles.get(state="stored") == 3 and g.handles.get(state="claimed") == 1
     assert g.sessions.get() == 4 and g.claimed.get() == 1
     assert g.pinned.get(engine="d-1") == 12 and g.pinned.get(engine="d-2") == 3
@@ -164,10 +220,23 @@ def test_engine_metrics_blocks_and_transfers():
     e = recording(metrics.EngineMetrics("decode", "decode-r1-abc"))
     tags = {"role": "decode", "engine": "decode-r1-abc"}
     e.record_step(kv_cache_usage=0.25, num_blocks=400, running=0, transfer_stats=None)
-    assert e.blocks_in_use.get(**tags) == 100 and e.blocks_total.get(**tags) == 400 and e.running.get(**tags) == 0
-    stats = {"transfer_duration": [0.01, 0.03], "bytes_transferred": [1000, 3000], "num_failed_transfers": [1]}
+    assert (
+        e.blocks_in_use.get(**tags) == 100
+        and e.blocks_total.get(**tags) == 400
+        and e.running.get(**tags) == 0
+    )
+    stats = {
+        "transfer_duration": [0.01, 0.03],
+        "bytes_transferred": [1000, 3000],
+        "num_failed_transfers": [1],
+    }
     e.record_step(kv_cache_usage=0.0, num_blocks=400, running=1, transfer_stats=stats)
-    e.record_step(kv_cache_usage=0.0, num_blocks=400, running=1, transfer_stats={"transfer_duration": [0.02], "bytes_transferred": [500]})
+    e.record_step(
+        kv_cache_usage=0.0,
+        num_blocks=400,
+        running=1,
+        transfer_stats={"transfer_duration": [0.02], "bytes_transferred": [500]},
+    )
     assert e.transfers.get(**tags) == 3 and e.transfer_bytes.get(**tags) == 4500
     assert e.transfer_seconds.get(**tags) == pytest.approx(0.06) and e.failed_transfers.get(**tags) == 1
     assert e.blocks_in_use.get(**tags) == 0
@@ -175,4 +244,6 @@ def test_engine_metrics_blocks_and_transfers():
 
 def test_real_metrics_without_ray_are_noops():
     metrics.TurnMetrics("oneway").record_turn(result(), None)
-    metrics.EngineMetrics("prefill", "p").record_step(kv_cache_usage=0.5, num_blocks=10, running=1, transfer_stats={})
+    metrics.EngineMetrics("prefill", "p").record_step(
+        kv_cache_usage=0.5, num_blocks=10, running=1, transfer_stats={}
+    )

@@ -21,7 +21,11 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -76,7 +80,17 @@ def test_read_body_too_large_without_header_stops_reading():
         b'{"a": ' + b"9" * 5000 + b"}",
         b'{"a": "\xff"}',
     ],
-    ids=["malformed", "array", "empty", "surrogate", "surrogate_key", "deep", "deeper_than_limit", "huge_int", "bad_utf8"],
+    ids=[
+        "malformed",
+        "array",
+        "empty",
+        "surrogate",
+        "surrogate_key",
+        "deep",
+        "deeper_than_limit",
+        "huge_int",
+        "bad_utf8",
+    ],
 )
 def test_parse_json_refuses_with_400(raw):
     with pytest.raises(APIError) as err:
@@ -91,18 +105,29 @@ def test_error_bodies():
     assert status == 400 and body["error"]["param"] == "top_p" and body["error"]["message"] == "bad top_p"
     status, body = openai_api.error_body(HTTPException(405, "Method Not Allowed"))
     assert status == 405 and body["error"]["message"] == "Method Not Allowed"
-    status, body = openai_api.error_body(RequestValidationError([{"loc": ("body", "messages"), "msg": "Field required", "type": "missing"}]))
+    status, body = openai_api.error_body(
+        RequestValidationError([{"loc": ("body", "messages"), "msg": "Field required", "type": "missing"}])
+    )
     assert status == 400 and body["error"]["param"] == "messages"
-    assert openai_api.error_body(openai_api.client_error(ValueError("presence_penalty must be in [-2, 2]")))[0] == 400
+    assert (
+        openai_api.error_body(openai_api.client_error(ValueError("presence_penalty must be in [-2, 2]")))[0]
+        == 400
+    )
     assert openai_api.error_body(ValueError("internal"))[0] == 500
     assert openai_api.error_body(RuntimeError("boom"))[1]["error"]["type"] == "server_error"
 
 
 def test_template_kwargs_defaults_and_reserved_names():
-    cfg = AppConfig.model_validate({"model": str(MODEL), "openai": {"chat_template_kwargs": {"enable_thinking": False}}})
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"x": 1}})
+    cfg = AppConfig.model_validate(
+        {"model": str(MODEL), "openai": {"chat_template_kwargs": {"enable_thinking": False}}}
+    )
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"x": 1}}
+    )
     assert openai_api.template_kwargs(cfg, body) == {"enable_thinking": False, "x": 1}
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}})
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}}
+    )
     with pytest.raises(APIError, match="tokenize"):
         openai_api.template_kwargs(cfg, body)
 
@@ -110,7 +135,9 @@ def test_template_kwargs_defaults_and_reserved_names():
 def test_default_tool_parser_by_family():
     assert openai_api.default_tool_parser(AppConfig.model_validate({"model": "Qwen/Qwen3-8B"})) == "hermes"
     assert openai_api.default_tool_parser(AppConfig.model_validate({"model": str(MODEL)})) == "hermes"
-    assert openai_api.default_tool_parser(AppConfig.model_validate({"model": "meta-llama/Llama-3.1-8B"})) is None
+    assert (
+        openai_api.default_tool_parser(AppConfig.model_validate({"model": "meta-llama/Llama-3.1-8B"})) is None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +150,10 @@ def tok():
 @pytest.fixture(scope="module")
 def parsers(tok):
     cfg = AppConfig.model_validate(
-        {"model": str(MODEL), "openai": {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False}}}
+        {
+            "model": str(MODEL),
+            "openai": {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False}},
+        }
     )
     return cfg, openai_api.OutputParsers(cfg, tok)
 
@@ -141,7 +171,11 @@ def test_embedded_model_has_single_markup_tokens(tok):
 
 
 def test_chat_template_renders_tools_calls_results_and_reasoning(tok):
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    }
     messages = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "weather?"},
@@ -156,18 +190,27 @@ def test_chat_template_renders_tools_calls_results_and_reasoning(tok):
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
     assert "<think>\nthe tool said so\n</think>\n\nIt is sunny.<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
-    thinking = tok.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False, enable_thinking=True)
+    thinking = tok.apply_chat_template(
+        messages[:2], add_generation_prompt=True, tokenize=False, enable_thinking=True
+    )
     assert thinking.endswith("<|im_start|>assistant\n<think>\n")
 
 
 def test_plain_answer_passes_through_the_parsers(parsers, tok):
     body, parser = request(parsers)
-    assert openai_api.chat_message(parser, True, body, "hello world", tok.encode("hello world")) == ({"role": "assistant", "content": "hello world"}, False)
+    assert openai_api.chat_message(parser, True, body, "hello world", tok.encode("hello world")) == (
+        {"role": "assistant", "content": "hello world"},
+        False,
+    )
     stream = openai_api.ChatStream(parser, body, [1, 2])
     assert [stream.delta(t, tok.encode(t)) for t in ("hel", "lo")] == [{"content": "hel"}, {"content": "lo"}]
 
 
-@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}], ids=["auto", "required", "named"])
+@pytest.mark.parametrize(
+    "choice",
+    ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["auto", "required", "named"],
+)
 def test_tool_calls_parsed_and_constrained(parsers, tok, choice):
     body, parser = request(parsers, tools=TOOLS, tool_choice=choice)
     # vLLM's parser turned the tool choice into a structural tag for guided decoding,
@@ -177,7 +220,10 @@ def test_tool_calls_parsed_and_constrained(parsers, tok, choice):
     message, called = openai_api.chat_message(parser, True, body, CALL, tok.encode(CALL))
     assert called and message["content"] is None
     (call,) = message["tool_calls"]
-    assert call["id"].startswith("call_") and call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert call["id"].startswith("call_") and call["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Rome"}',
+    }
     assert openai_api.finish_reason("stop", called) == "tool_calls"
     assert openai_api.finish_reason("length", called) == "length"
 
@@ -198,7 +244,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parsers, tok, parallel):
     two = CALL + "\n" + CALL.replace("Rome", "Paris")
     body, parser = request(parsers, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
     if not parallel:  # vLLM's parser also stops the grammar after one call
-        assert '"stop_after_first":true' in body.to_sampling_params(8, {}).structured_outputs.structural_tag.replace(" ", "")
+        assert '"stop_after_first":true' in body.to_sampling_params(
+            8, {}
+        ).structured_outputs.structural_tag.replace(" ", "")
     message, called = openai_api.chat_message(parser, True, body, two, tok.encode(two))
     assert called and len(message["tool_calls"]) == (2 if parallel else 1)
     body, parser = request(parsers, tools=TOOLS, parallel_tool_calls=parallel)
@@ -238,7 +286,10 @@ def test_chat_logprobs_shape():
         "token": "hé",
         "logprob": -0.5,
         "bytes": list("hé".encode()),
-        "top_logprobs": [{"token": "hé", "logprob": -0.5, "bytes": list("hé".encode())}, {"token": "b", "logprob": -1.5, "bytes": [98]}],
+        "top_logprobs": [
+            {"token": "hé", "logprob": -0.5, "bytes": list("hé".encode())},
+            {"token": "b", "logprob": -1.5, "bytes": [98]},
+        ],
     }
     assert second["logprob"] == -9999.0  # -inf is not JSON
     assert openai_api.chat_logprobs(None) is None
@@ -246,7 +297,12 @@ def test_chat_logprobs_shape():
 
 def test_completion_logprobs_legacy_shape():
     out = openai_api.completion_logprobs(ENTRIES, offset=10)
-    assert out == {"tokens": ["hé", "c"], "token_logprobs": [-0.5, -9999.0], "top_logprobs": [{"hé": -0.5, "b": -1.5}, {"d": -0.1}], "text_offset": [10, 12]}
+    assert out == {
+        "tokens": ["hé", "c"],
+        "token_logprobs": [-0.5, -9999.0],
+        "top_logprobs": [{"hé": -0.5, "b": -1.5}, {"d": -0.1}],
+        "text_offset": [10, 12],
+    }
 
 
 def test_engine_request_with_client_params_pickles_and_decode_gets_them():
@@ -260,27 +316,48 @@ def test_engine_request_with_client_params_pickles_and_decode_gets_them():
     from app.engine import EngineRequest, Sampling, sampling_params
 
     body = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2, "top_k": 5, "response_format": {"type": "json_object"}}
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "top_k": 5,
+            "response_format": {"type": "json_object"},
+        }
     )
     client = body.to_sampling_params(100, {})
     sampling = Sampling(max_tokens=100, params=client)
     fitted = Sampling(**{**sampling.__dict__, "max_tokens": 40})  # as Turns._fit does
-    request = pickle.loads(pickle.dumps(EngineRequest("r", (1, 2, 3), fitted, kv_params={"do_remote_prefill": True})))
+    request = pickle.loads(
+        pickle.dumps(EngineRequest("r", (1, 2, 3), fitted, kv_params={"do_remote_prefill": True}))
+    )
     params = sampling_params(request)
     assert params.max_tokens == 40 and params.logprobs == 2 and params.top_k == 5
     assert params.structured_outputs.json_object and params.output_kind == RequestOutputKind.DELTA
     assert params.extra_args == {"kv_transfer_params": {"do_remote_prefill": True}}
     assert client.max_tokens == 100 and client.extra_args is None  # the original is untouched
     prefill = sampling_params(EngineRequest("r-prefill", (1, 2, 3), Sampling(max_tokens=1, temperature=0.0)))
-    assert prefill.max_tokens == 1 and prefill.temperature == 0.0 and prefill.structured_outputs is None and prefill.logprobs is None
+    assert (
+        prefill.max_tokens == 1
+        and prefill.temperature == 0.0
+        and prefill.structured_outputs is None
+        and prefill.logprobs is None
+    )
 
 
 def test_grammar_the_engine_would_refuse_is_a_400_here():
     body = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+            },
+        }
     )
     with pytest.raises(Exception) as err:
         openai_api.check_structured_output(body.to_sampling_params(8, {}))
     assert openai_api.error_body(err.value)[0] == 400
-    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})
+    ok = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
+    )
     openai_api.check_structured_output(ok.to_sampling_params(8, {}))

@@ -17,7 +17,11 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -111,7 +115,15 @@ def test_bad_values_refused_before_any_engine(fields):
 
 
 @pytest.mark.parametrize(
-    "fields", [{"presence_penalty": 3}, {"frequency_penalty": -3}, {"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"repetition_penalty": 0}]
+    "fields",
+    [
+        {"presence_penalty": 3},
+        {"frequency_penalty": -3},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"min_p": 2},
+        {"repetition_penalty": 0},
+    ],
 )
 def test_vllm_sampling_checks_refuse(fields):
     with pytest.raises(REFUSED):
@@ -194,20 +206,31 @@ def messages(*msgs) -> list[dict]:
 
 
 def test_template_messages_text_parts_joined_and_none_is_empty():
-    assert messages({"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}) == [
-        {"role": "user", "content": "Hello, world"}
+    assert messages(
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}
+    ) == [{"role": "user", "content": "Hello, world"}]
+    assert messages({"role": "assistant", "content": None, "name": "bot"}) == [
+        {"role": "assistant", "content": "", "name": "bot"}
     ]
-    assert messages({"role": "assistant", "content": None, "name": "bot"}) == [{"role": "assistant", "content": "", "name": "bot"}]
 
 
 def test_template_messages_tool_calls_tool_results_and_reasoning():
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
     out = messages(
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "look it up"},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     )
-    assert out[1] == {"role": "assistant", "content": "", "reasoning_content": "look it up", "tool_calls": [call]}
+    assert out[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "look it up",
+        "tool_calls": [call],
+    }
     assert out[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
@@ -217,7 +240,13 @@ def test_template_messages_tool_calls_tool_results_and_reasoning():
         ({"role": "robot", "content": "x"}, "role"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}, "image_url"),
         ({"role": "tool", "content": "x"}, "tool_call_id"),
-        ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}, "name|tool_calls"),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}],
+            },
+            "name|tool_calls",
+        ),
     ],
 )
 def test_template_messages_refused(message, match):

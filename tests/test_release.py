@@ -19,7 +19,6 @@ from connector import release
 from connector.handle import KVHandle, Location
 from connector.store import Conversation, TurnOutcome
 
-
 # -- worker side ------------------------------------------------------------------------
 
 
@@ -49,7 +48,10 @@ def _real_pull_scheduler(bidirectional: bool = True):
     "params, tracked",
     [
         ({"do_remote_prefill": False, "do_remote_decode": False}, True),  # local_decode_params()
-        ({"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": None}, True),  # vLLM's own
+        (
+            {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": None},
+            True,
+        ),  # vLLM's own
         (None, False),  # no connector params: blocks are freed at once, nothing to track
         ({}, False),
     ],
@@ -60,13 +62,17 @@ def test_decode_request_that_computes_its_prompt_is_tracked_like_a_reader(params
     the TTL on an idle engine)."""
     scheduler = _real_pull_scheduler()
     request = SimpleNamespace(request_id="r1", kv_transfer_params=params)
-    scheduler.update_state_after_alloc(request, SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ()), 0)
+    scheduler.update_state_after_alloc(
+        request, SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ()), 0
+    )
     assert ("r1" in scheduler._reqs_in_batch) is tracked
 
 
 def test_local_decode_requests_not_tracked_without_bidirectional_transfer():
     scheduler = _real_pull_scheduler(bidirectional=False)
-    request = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_prefill": False, "do_remote_decode": False})
+    request = SimpleNamespace(
+        request_id="r1", kv_transfer_params={"do_remote_prefill": False, "do_remote_decode": False}
+    )
     scheduler.update_state_after_alloc(request, None, 0)
     assert scheduler._reqs_in_batch == set()
 
@@ -94,7 +100,9 @@ def _real_nixl_worker(pins: dict[str, float]):
     worker.consumer_notification_counts_by_req = Counter()
     worker.expected_consumer_notifications_by_req = {}
     worker.xfer_stats = SimpleNamespace(expired=0)
-    worker.xfer_stats.record_kv_expired_req = lambda: setattr(worker.xfer_stats, "expired", worker.xfer_stats.expired + 1)
+    worker.xfer_stats.record_kv_expired_req = lambda: setattr(
+        worker.xfer_stats, "expired", worker.xfer_stats.expired + 1
+    )
     return worker
 
 
@@ -188,7 +196,13 @@ class FakeDecodeReplicas:
 
     async def decode_kv_blocks(self, replica_id: str) -> dict:
         self.block_queries += 1
-        return {"engine_id": f"engine-{replica_id}", "total": 300, "free": 250, "pinned": 10, "pinned_requests": 1}
+        return {
+            "engine_id": f"engine-{replica_id}",
+            "total": 300,
+            "free": 250,
+            "pinned": 10,
+            "pinned_requests": 1,
+        }
 
     async def release(self, replica_id: str, request_ids) -> list[str]:
         self.calls.append((replica_id, list(request_ids)))
@@ -279,10 +293,22 @@ def test_restarted_store_learns_the_budget_from_the_next_turn():
         claim = store.begin_turn(session)
         store.end_turn(claim.lease_id, TurnOutcome.UNUSED, conversation_on("e0", session, request_id), blocks)
 
-    store = HandleStore(handle_ttl_s=100, decoder_ttl_s=200, max_sessions=100, max_blocks_per_engine=10_000, pinned_fraction=0.5)
+    store = HandleStore(
+        handle_ttl_s=100,
+        decoder_ttl_s=200,
+        max_sessions=100,
+        max_blocks_per_engine=10_000,
+        pinned_fraction=0.5,
+    )
     turn(store, "a", "r1", 300)
     assert store.stats()["pin_budgets"] == {"e0": 150}
-    restarted = HandleStore(handle_ttl_s=100, decoder_ttl_s=200, max_sessions=100, max_blocks_per_engine=10_000, pinned_fraction=0.5)
+    restarted = HandleStore(
+        handle_ttl_s=100,
+        decoder_ttl_s=200,
+        max_sessions=100,
+        max_blocks_per_engine=10_000,
+        pinned_fraction=0.5,
+    )
     assert restarted.stats()["pin_budgets"] == {}
     turn(restarted, "b", "r2", 300)
     assert restarted.stats()["pin_budgets"] == {"e0": 150}
@@ -328,13 +354,22 @@ def stored_store(clock):
     from connector.store import HandleStore
 
     return HandleStore(
-        handle_ttl_s=25, decoder_ttl_s=30, max_sessions=100, max_blocks_per_engine=1_000_000, clock=clock, pinned_fraction=0.5
+        handle_ttl_s=25,
+        decoder_ttl_s=30,
+        max_sessions=100,
+        max_blocks_per_engine=1_000_000,
+        clock=clock,
+        pinned_fraction=0.5,
     )
 
 
 def conv_on(session: str, blocks: int, engine="e0", replica="d0", request=None) -> Conversation:
-    handle = KVHandle(Location.DECODE, engine, request or f"req-{session}", (tuple(range(blocks)),), "h", 1, blocks * 32)
-    return Conversation(session, tuple(range(blocks * 32)), blocks * 32 - 8, handle=handle, decode_replica=replica)
+    handle = KVHandle(
+        Location.DECODE, engine, request or f"req-{session}", (tuple(range(blocks)),), "h", 1, blocks * 32
+    )
+    return Conversation(
+        session, tuple(range(blocks * 32)), blocks * 32 - 8, handle=handle, decode_replica=replica
+    )
 
 
 def test_store_budget_from_engine_capacity_and_releases():

@@ -36,17 +36,31 @@ def test_engines_placed_by_ray_never_oversubscribe_the_node():
     CPUs), the engines' threads add up to at most the node's cores. (A replica with a
     fraction of a CPU still runs one thread.)"""
     for cores in (2, 8, 16, 64):
-        for shares in ([1, 1], [cores // 2, cores // 2], [max(1, cores // 4)] * 4, [1] * cores, [1, cores - 1]):
+        for shares in (
+            [1, 1],
+            [cores // 2, cores // 2],
+            [max(1, cores // 4)] * 4,
+            [1] * cores,
+            [1, cores - 1],
+        ):
             if sum(shares) > cores:
                 continue
-            threads = [share_threads(replica_cpus=s, node_cpu_resource=cores, node_cores=cores) for s in shares]
+            threads = [
+                share_threads(replica_cpus=s, node_cpu_resource=cores, node_cores=cores) for s in shares
+            ]
             assert sum(threads) <= cores, (cores, shares, threads)
 
 
 def test_default_app_config_sizes_one_thread_per_engine_on_two_cores():
     cfg = AppConfig.from_args({})
     plans = [
-        plan(replica_cpus=role.num_cpus, node_cpu_resource=2, node_cores=[0, 1], cpu_threads=role.cpu_threads, binding=role.cpu_binding)
+        plan(
+            replica_cpus=role.num_cpus,
+            node_cpu_resource=2,
+            node_cores=[0, 1],
+            cpu_threads=role.cpu_threads,
+            binding=role.cpu_binding,
+        )
         for role in (cfg.prefill, cfg.decode)
     ]
     assert plans == [CpuPlan(1, "nobind"), CpuPlan(1, "nobind")]
@@ -71,18 +85,38 @@ def test_exclusive_binding_takes_disjoint_cores_then_falls_back_to_nobind(tmp_pa
 
     me = os.getpid()
     parent = os.getppid()
-    first = plan(replica_cpus=4, node_cpu_resource=8, node_cores=cores, binding="exclusive", take_cores=lambda n, c: take(n, c, me))
-    second = plan(replica_cpus=3, node_cpu_resource=8, node_cores=cores, binding="exclusive", take_cores=lambda n, c: take(n, c, parent))
+    first = plan(
+        replica_cpus=4,
+        node_cpu_resource=8,
+        node_cores=cores,
+        binding="exclusive",
+        take_cores=lambda n, c: take(n, c, me),
+    )
+    second = plan(
+        replica_cpus=3,
+        node_cpu_resource=8,
+        node_cores=cores,
+        binding="exclusive",
+        take_cores=lambda n, c: take(n, c, parent),
+    )
     assert first == CpuPlan(4, "4,5,6,7")
     assert second == CpuPlan(3, "1,2,3")
     # Two cores left: a third 2-thread engine fits, a 4-thread one runs unbound.
-    third = plan(replica_cpus=4, node_cpu_resource=8, node_cores=cores, binding="exclusive", take_cores=lambda n, c: take(n, c, parent))
+    third = plan(
+        replica_cpus=4,
+        node_cpu_resource=8,
+        node_cores=cores,
+        binding="exclusive",
+        take_cores=lambda n, c: take(n, c, parent),
+    )
     assert third == CpuPlan(4, "nobind")
 
 
 def test_registry_drops_entries_of_dead_processes(tmp_path):
     registry = NodeRegistry(str(tmp_path / "ports"))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     assert registry.reserve(lambda taken: [5600], pid=dead_pid) == [5600]
     # The holder is gone: its value is free again, and a live holder's is not.

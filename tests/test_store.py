@@ -502,7 +502,16 @@ def test_store_rejects_ttl_not_below_decoder_ttl(clock):
 
 def test_states_cover_every_exit():
     assert {s.value for s in HandleState} == {
-        "stored", "claimed", "pulled", "unused", "failed", "expired", "evicted", "superseded", "dropped", "ended",
+        "stored",
+        "claimed",
+        "pulled",
+        "unused",
+        "failed",
+        "expired",
+        "evicted",
+        "superseded",
+        "dropped",
+        "ended",
     }
 
 
@@ -783,9 +792,16 @@ def test_a_turn_sent_as_its_tail_is_stored_whole_and_indexed(store):
     c1 = Conversation("s", tuple(range(1, 40)), 30, "t" * 39, handle(num_tokens=38), "decode#0")
     store.put(c1)
     claim = store.begin_turn("s")
-    nxt = Conversation("s", c1.token_ids + (50, 51, 52, 60, 61), 42, c1.text + "uvwxy", handle(num_tokens=43), "decode#1")
+    nxt = Conversation(
+        "s", c1.token_ids + (50, 51, 52, 60, 61), 42, c1.text + "uvwxy", handle(num_tokens=43), "decode#1"
+    )
     tail = ConversationTail.of(nxt, claim.conversation)
-    assert tail is not None and tuple(tail.ids) == (50, 51, 52, 60, 61) and tail.text == "uvwxy" and tail.base_tokens == 39
+    assert (
+        tail is not None
+        and tuple(tail.ids) == (50, 51, 52, 60, 61)
+        and tail.text == "uvwxy"
+        and tail.base_tokens == 39
+    )
     store.end_turn(claim.lease_id, TurnOutcome.PULLED, tail)
     claim = store.begin_turn("s")
     assert claim.conversation == nxt  # ids, text, prompt length, handle, replica

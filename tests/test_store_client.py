@@ -12,7 +12,9 @@ import ray
 from connector.actor import StoreClient, StoreSettings, StoreUnavailable, _ShardQueue, apply_ops
 from connector.store import HandleStore, TurnOutcome
 
-SETTINGS = StoreSettings(handle_ttl_s=10, decoder_ttl_s=20, max_sessions=10, max_blocks_per_engine=100, index_block_size=4)
+SETTINGS = StoreSettings(
+    handle_ttl_s=10, decoder_ttl_s=20, max_sessions=10, max_blocks_per_engine=100, index_block_size=4
+)
 
 
 class _Method:
@@ -163,7 +165,9 @@ async def test_a_batch_that_cannot_be_sent_fails_its_turns_instead_of_leaving_th
             return super().__getattr__(name)
 
     client._queues[0]._actor = NoApply()
-    results = await asyncio.wait_for(asyncio.gather(client.begin_turn("a"), client.begin_turn("b"), return_exceptions=True), 1)
+    results = await asyncio.wait_for(
+        asyncio.gather(client.begin_turn("a"), client.begin_turn("b"), return_exceptions=True), 1
+    )
     assert all(isinstance(r, StoreUnavailable) for r in results), results
 
 
@@ -173,7 +177,15 @@ async def test_the_conversation_an_ingress_stored_is_not_shipped_back_to_it():
 
     source = Source()
     client = StoreClient(source, SETTINGS)
-    handle = KVHandle(location=Location.DECODE, engine_id="d-0", request_id="req-1", block_ids=((1, 2),), host="h", port=1, num_tokens=7)
+    handle = KVHandle(
+        location=Location.DECODE,
+        engine_id="d-0",
+        request_id="req-1",
+        block_ids=((1, 2),),
+        host="h",
+        port=1,
+        num_tokens=7,
+    )
     mine = Conversation("s1", tuple(range(1, 9)), 6, None, handle, "decode#0")
     claim = await client.begin_turn("s1")
     await client.end_turn(claim, TurnOutcome.UNUSED, mine)
@@ -193,21 +205,36 @@ async def test_a_turn_that_extends_its_claim_travels_as_its_tail():
     sent = []
     store = source.shards[0].store
     end_turn = store.end_turn
-    store.end_turn = lambda lease, outcome, c, blocks=None: (sent.append(c), end_turn(lease, outcome, c, blocks))[1]
+    store.end_turn = lambda lease, outcome, c, blocks=None: (
+        sent.append(c),
+        end_turn(lease, outcome, c, blocks),
+    )[1]
     client = StoreClient(source, SETTINGS)
 
     def handle(n):
-        return KVHandle(location=Location.DECODE, engine_id="d-0", request_id=f"req-{n}", block_ids=((1, 2),), host="h", port=1, num_tokens=7)
+        return KVHandle(
+            location=Location.DECODE,
+            engine_id="d-0",
+            request_id=f"req-{n}",
+            block_ids=((1, 2),),
+            host="h",
+            port=1,
+            num_tokens=7,
+        )
 
     first = Conversation("s1", tuple(range(1, 9)), 6, "abcdefgh", handle(1), "decode#0")
     await client.end_turn(await client.begin_turn("s1"), TurnOutcome.UNUSED, first)
     second = Conversation("s1", first.token_ids + (20, 21, 22), 10, first.text + "xyz", handle(2), "decode#0")
     await client.end_turn(await client.begin_turn("s1"), TurnOutcome.PULLED, second)
     # A turn that rewrote its history goes whole.
-    edited = Conversation("s1", (5,) + second.token_ids[1:] + (30,), 11, "Z" + second.text[1:] + "w", handle(3), "decode#0")
+    edited = Conversation(
+        "s1", (5,) + second.token_ids[1:] + (30,), 11, "Z" + second.text[1:] + "w", handle(3), "decode#0"
+    )
     await client.end_turn(await client.begin_turn("s1"), TurnOutcome.PULLED, edited)
     assert isinstance(sent[0], Conversation)  # nothing claimed before: whole
-    assert isinstance(sent[1], ConversationTail) and tuple(sent[1].ids) == (20, 21, 22) and sent[1].text == "xyz"
+    assert (
+        isinstance(sent[1], ConversationTail) and tuple(sent[1].ids) == (20, 21, 22) and sent[1].text == "xyz"
+    )
     assert isinstance(sent[2], Conversation)
     # What another ingress replica reads back is each turn whole.
     claim = await StoreClient(source, SETTINGS).begin_turn("s1")

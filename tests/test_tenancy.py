@@ -63,7 +63,9 @@ def test_tenants_policies_by_key_and_the_default():
 
 def test_config_refuses_policies_for_unknown_keys(tmp_path):
     with pytest.raises(ValueError, match="not in access.api_keys"):
-        AppConfig.model_validate({"model": str(tmp_path), "access": {"api_keys": ["k1"], "tenants": {"k2": {"weight": 2}}}})
+        AppConfig.model_validate(
+            {"model": str(tmp_path), "access": {"api_keys": ["k1"], "tenants": {"k2": {"weight": 2}}}}
+        )
 
 
 def test_store_tells_tenants_apart_by_the_namespaces_auth_writes():
@@ -75,16 +77,29 @@ def test_store_tells_tenants_apart_by_the_namespaces_auth_writes():
 
 
 def handle(blocks: int, engine="d-0") -> KVHandle:
-    return KVHandle(Location.DECODE, engine, f"req-{next(_ids)}", (tuple(range(blocks)),), "127.0.0.1", 5600, blocks * 4)
+    return KVHandle(
+        Location.DECODE, engine, f"req-{next(_ids)}", (tuple(range(blocks)),), "127.0.0.1", 5600, blocks * 4
+    )
 
 
 def store(**kw) -> HandleStore:
-    return HandleStore(handle_ttl_s=100, decoder_ttl_s=150, max_sessions=1000, max_blocks_per_engine=10_000, index_block_size=4, **kw)
+    return HandleStore(
+        handle_ttl_s=100,
+        decoder_ttl_s=150,
+        max_sessions=1000,
+        max_blocks_per_engine=10_000,
+        index_block_size=4,
+        **kw,
+    )
 
 
 def put(s: HandleStore, session: str, blocks: int) -> None:
     claim = s.begin_turn(session)
-    s.end_turn(claim.lease_id, TurnOutcome.UNUSED, Conversation(session, (1, 2, 3, 4, 5), 3, handle=handle(blocks), decode_replica="r0"))
+    s.end_turn(
+        claim.lease_id,
+        TurnOutcome.UNUSED,
+        Conversation(session, (1, 2, 3, 4, 5), 3, handle=handle(blocks), decode_replica="r0"),
+    )
 
 
 def has_handle(s: HandleStore, session: str) -> bool:
@@ -159,7 +174,9 @@ def test_shares_victim_is_the_tenant_most_over_its_weighted_share():
 
 
 def test_store_settings_split_tenant_limits_among_shards():
-    settings = StoreSettings(1, 2, 10, 10, 4, shards=4, tenant_weights=((A, 2.0),), tenant_max_sessions=((A, 10),))
+    settings = StoreSettings(
+        1, 2, 10, 10, 4, shards=4, tenant_weights=((A, 2.0),), tenant_max_sessions=((A, 10),)
+    )
     kwargs = settings.store_kwargs()
     assert kwargs["tenant_weights"] == {A: 2.0} and kwargs["tenant_max_sessions"] == {A: 3}
 

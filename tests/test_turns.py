@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import string
 from collections import Counter
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -25,9 +25,9 @@ from app.config import AppConfig
 from app.engine import EngineChunk, EngineRequest, Sampling
 from app.protocol import APIError
 from app.turns import DECODE_ATTEMPTS, Delta, LegPace, TurnInput, TurnResult, Turns
-from tests.conftest import config_with
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
+from tests.conftest import config_with
 
 BLOCK = 4
 THRESHOLD = 8
@@ -55,7 +55,9 @@ def letter_at(position: int) -> str:
 class FakeEngines:
     """One prefill replica and some decode replicas, following the engines' contract."""
 
-    def __init__(self, decode_replicas=("decode-0", "decode-1"), *, keeps_kv=True, eos=False, stop_string=False):
+    def __init__(
+        self, decode_replicas=("decode-0", "decode-1"), *, keeps_kv=True, eos=False, stop_string=False
+    ):
         self.decode_replicas = list(decode_replicas)
         self.dead: set[str] = set()
         self.broken: set[str] = set()  # raise before any output
@@ -218,13 +220,17 @@ class LocalStore:
         self.ended: list[tuple[str, TurnOutcome, Conversation | None]] = []
         self.dropped: list[str] = []
 
-    async def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
+    async def match(
+        self, prompt_ids: Sequence[int], prompt_text: str | None = None
+    ) -> tuple[str | None, int]:
         return self.inner.match(list(prompt_ids), prompt_text)
 
     async def begin_turn(self, session_id: str) -> Claim:
         return self.inner.begin_turn(session_id)
 
-    async def end_turn(self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks=None) -> None:
+    async def end_turn(
+        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks=None
+    ) -> None:
         self.ended.append((claim.session_id, outcome, conversation))
         self.inner.end_turn(claim.lease_id, outcome, conversation, engine_blocks)
 
@@ -288,7 +294,9 @@ class Rig:
         self.turns = Turns(self.cfg, self.engines, self.store, FakeTokenizer())
         self._n = 0
 
-    def input(self, *, text=None, ids=None, session="s1", max_tokens=MAX_TOKENS, given=True, **kw) -> TurnInput:
+    def input(
+        self, *, text=None, ids=None, session="s1", max_tokens=MAX_TOKENS, given=True, **kw
+    ) -> TurnInput:
         self._n += 1
         return TurnInput(
             request_id=f"req-{self._n}",
@@ -574,7 +582,9 @@ async def test_decode_failing_on_every_attempt_is_a_502(model_dir):
     # A first turn names no replica, and one that fails before output does not say
     # which it was: the router's own view of dead replicas steers those retries.
     assert [r.request_id for r, _ in rig.engines.decode_requests] == ["req-1", "req-1-retry1", "req-1-retry2"]
-    assert rig.turns.counts["decode_retried"] == DECODE_ATTEMPTS - 1 and rig.turns.counts["decode_failed"] == 1
+    assert (
+        rig.turns.counts["decode_retried"] == DECODE_ATTEMPTS - 1 and rig.turns.counts["decode_failed"] == 1
+    )
     assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
     assert rig.store.stats()["open_leases"] == 0
     # The next turn of the session, on a healthy replica, answers.
@@ -789,7 +799,9 @@ class PacedEngines(FakeEngines):
                 self.cancelled += 1
                 raise
         chunk, replica = await super().prefill(request)
-        await asyncio.sleep(self.seconds_per_token * (len(request.prompt_token_ids) - chunk.num_cached_tokens))
+        await asyncio.sleep(
+            self.seconds_per_token * (len(request.prompt_token_ids) - chunk.num_cached_tokens)
+        )
         return chunk, replica
 
 
@@ -859,8 +871,14 @@ async def test_turn_reports_where_the_time_went(model_dir):
     _, _, r = await rig.turn(text=LONG_SYSTEM + "USER: hi\nASSISTANT:")
     t = r.timings
     assert set(t) == {
-        "store_s", "session_s", "prefill_s", "first_token_s",
-        "prefill_engine_s", "prefill_queue_s", "decode_engine_s", "decode_queue_s",
+        "store_s",
+        "session_s",
+        "prefill_s",
+        "first_token_s",
+        "prefill_engine_s",
+        "prefill_queue_s",
+        "decode_engine_s",
+        "decode_queue_s",
     }
     assert 0 <= t["store_s"] <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
     assert t["prefill_s"] - t["session_s"] >= 0.001 * r.prompt_tokens  # the paced prefill leg
@@ -930,7 +948,13 @@ async def test_pull_made_when_the_pin_leaves_time(model_dir):
 
 
 async def test_pull_refused_when_the_queue_ahead_outlasts_the_pin(model_dir):
-    rig = pin_rig(model_dir, PacedEngines(0.001), pin_remaining_s=7.0, max_model_len=1024, **{"transfer.pin_margin_s": 6.0})
+    rig = pin_rig(
+        model_dir,
+        PacedEngines(0.001),
+        pin_remaining_s=7.0,
+        max_model_len=1024,
+        **{"transfer.pin_margin_s": 6.0},
+    )
     p1 = LONG_SYSTEM + "USER: hello there\nASSISTANT:"
     text1, _, _ = await rig.turn(text=p1)
     assert rig.turns.pace.seconds_per_token is not None
@@ -941,7 +965,9 @@ async def test_pull_refused_when_the_queue_ahead_outlasts_the_pin(model_dir):
 
 async def test_leg_still_waiting_at_the_pin_deadline_is_cut_and_recomputed(model_dir):
     # pull_timeout_s alone would wait 30 s; the pin leaves 0.2 s past the margin.
-    rig = pin_rig(model_dir, PacedEngines(stall_pulls=True), pin_remaining_s=1.2, **{"transfer.pin_margin_s": 1.0})
+    rig = pin_rig(
+        model_dir, PacedEngines(stall_pulls=True), pin_remaining_s=1.2, **{"transfer.pin_margin_s": 1.0}
+    )
     text1, _, _ = await rig.turn(text=P1)
     started = asyncio.get_running_loop().time()
     out2, ids2, r2 = await rig.turn(text=P1 + text1 + USER2)
@@ -1019,7 +1045,13 @@ async def test_prefill_failing_twice_leaves_decode_to_compute(model_dir):
     assert ids2 == expected_answer(rig.engines, len(r2.prompt_token_ids))[1]
     assert r2.cached_tokens == 0
     # The turn's own KV is stored: the next turn reuses again.
-    _, _, r3 = await rig.turn(text=P1 + text1 + USER2 + "".join(s for _, s in rig.engines.answer(len(r2.prompt_token_ids), MAX_TOKENS)) + USER3)
+    _, _, r3 = await rig.turn(
+        text=P1
+        + text1
+        + USER2
+        + "".join(s for _, s in rig.engines.answer(len(r2.prompt_token_ids), MAX_TOKENS))
+        + USER3
+    )
     assert r3.reused_from_decode > 0
 
 
@@ -1087,7 +1119,10 @@ async def test_a_short_turn_is_computed_by_its_decode_replica_alone(model_dir):
     # What decode's prefix cache held (whole blocks of turn 1) was not computed again.
     history = len(enc(long_first)) + MAX_TOKENS
     assert r2.cached_tokens == history // BLOCK * BLOCK and r2.reused_from_decode == 0
-    assert rig.turns.counts["decode_local"] == 1 and rig.turns.counts["decode_local_cached_tokens"] == r2.cached_tokens
+    assert (
+        rig.turns.counts["decode_local"] == 1
+        and rig.turns.counts["decode_local_cached_tokens"] == r2.cached_tokens
+    )
     # The claimed handle was left unread (released early); the new turn's handle is stored.
     assert [o for _, o, _ in rig.store.ended] == [TurnOutcome.UNUSED, TurnOutcome.UNUSED]
     assert rig.store.stats()["handles"] == {"stored": 1}
@@ -1095,7 +1130,9 @@ async def test_a_short_turn_is_computed_by_its_decode_replica_alone(model_dir):
     # A turn adding more than 40 tokens goes through prefill, which pulls turn 2's blocks.
     big = "\nTOOL: " + "x" * 60 + "\nASSISTANT:"
     _, _, r3 = await rig.turn(text=long_first + text1 + USER2 + "".join(chr(i - 1000) for i in ids2) + big)
-    assert len(rig.engines.prefill_requests) == 2 and rig.engines.pulls == [("d-decode-0", len(r2.prompt_token_ids) + MAX_TOKENS - 1)]
+    assert len(rig.engines.prefill_requests) == 2 and rig.engines.pulls == [
+        ("d-decode-0", len(r2.prompt_token_ids) + MAX_TOKENS - 1)
+    ]
     assert r3.reused_from_decode > 0 and rig.turns.counts["decode_local"] == 1
 
 
@@ -1143,22 +1180,34 @@ async def two_sessions_then_a_burst(rig: Rig) -> tuple[TurnResult, TurnResult, l
 
 async def test_a_turn_that_would_queue_behind_prefill_is_computed_by_its_decode_replica(model_dir):
     rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
-    assert rig.cfg.transfer.decode_local_tokens == 0 and rig.cfg.transfer.decode_local_busy_tokens >= len(enc(TOOL_RESULT))
+    assert rig.cfg.transfer.decode_local_tokens == 0 and rig.cfg.transfer.decode_local_busy_tokens >= len(
+        enc(TOOL_RESULT)
+    )
     r1, r2, ids2 = await two_sessions_then_a_burst(rig)
     # s1 went through prefill, which pulled its history; s2 went to its decode replica.
     assert len(rig.engines.prefill_requests) == 3 and r1.reused_from_decode > 0
     assert rig.turns.counts["decode_local_busy"] == 1 and rig.turns.counts["decode_local"] == 1
-    [(decode_req, replica)] = [(q, r) for q, r in rig.engines.decode_requests if q.prompt_token_ids == r2.prompt_token_ids]
+    [(decode_req, replica)] = [
+        (q, r) for q, r in rig.engines.decode_requests if q.prompt_token_ids == r2.prompt_token_ids
+    ]
     assert decode_req.kv_params == local_decode_params() and replica == r2.decode_replica
     assert ids2 == expected_answer(rig.engines, r2.prompt_tokens)[1]
     # Decode's prefix cache held s2's first turn: only the tool result's blocks were computed.
-    assert r2.reused_from_decode == 0 and 0 < r2.cached_tokens and r2.prompt_tokens - r2.cached_tokens <= len(enc(TOOL_RESULT)) + BLOCK
+    assert (
+        r2.reused_from_decode == 0
+        and 0 < r2.cached_tokens
+        and r2.prompt_tokens - r2.cached_tokens <= len(enc(TOOL_RESULT)) + BLOCK
+    )
     # The claimed handle was left unread; the turn's own handle is stored for a later pull.
     s2_ends = [(o, c) for s, o, c in rig.store.ended if s == "s2"]
     assert s2_ends[-1][0] is TurnOutcome.UNUSED and s2_ends[-1][1].handle is not None
     # The replica's own pace was measured and nothing is left counted in flight.
     local = rig.turns.local_pace[replica]
-    assert local.seconds_per_token is not None and local.tokens_in_flight == 0 and rig.turns.pace.tokens_in_flight == 0
+    assert (
+        local.seconds_per_token is not None
+        and local.tokens_in_flight == 0
+        and rig.turns.pace.tokens_in_flight == 0
+    )
 
 
 async def test_a_burst_stays_on_prefill_past_the_busy_limit(model_dir):

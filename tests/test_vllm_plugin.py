@@ -132,7 +132,9 @@ def test_the_installed_vllm_has_what_every_patch_replaces():
     vllm_plugin.require_set_in_init(SpinCondition, "busy_loop_s", "last_read")
     vllm_plugin.require(base_worker, "os")
     # The NIXL worker still pins the thread that creates it: the affinity patch is needed.
-    assert "sched_setaffinity" in __import__("inspect").getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    assert "sched_setaffinity" in __import__("inspect").getsource(
+        base_worker.NixlBaseConnectorWorker.__init__
+    )
 
 
 def test_a_patch_whose_target_changed_is_skipped_with_a_warning(caplog):
@@ -153,8 +155,13 @@ def test_a_patch_whose_target_changed_is_skipped_with_a_warning(caplog):
         vllm_plugin.patch_message_queue_spin(0.0, OlderCondition)
     assert OlderCondition.wait.__name__ == "wait"  # left as it was
     with caplog.at_level("WARNING", logger=vllm_plugin.__name__):
-        assert not vllm_plugin.apply_patch("the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore)
-    assert "the idle engine's wait is off in this engine" in caplog.text and "_process_engine_step" in caplog.text
+        assert not vllm_plugin.apply_patch(
+            "the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore
+        )
+    assert (
+        "the idle engine's wait is off in this engine" in caplog.text
+        and "_process_engine_step" in caplog.text
+    )
     assert not hasattr(OlderCore, "_process_engine_step")
 
 
@@ -225,7 +232,9 @@ def test_idle_nixl_agents_do_not_spin():
     import sys
 
     env = {**os.environ, vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US: "5000", "UCX_NET_DEVICES": "lo"}
-    out = subprocess.run([sys.executable, "-c", IDLE_AGENTS], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_AGENTS], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     state, copied, cpu_seconds = out.stdout.split()[-3:]
     assert state == "DONE" and copied == "True"
@@ -275,7 +284,9 @@ def test_queue_reader_sleeps_until_notified(spin_ms):
     env = {k: v for k, v in os.environ.items() if k != vllm_plugin.ENV_WORKER_SPIN_MS}
     if spin_ms is not None:
         env[vllm_plugin.ENV_WORKER_SPIN_MS] = spin_ms
-    out = subprocess.run([sys.executable, "-c", QUEUE_READER], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", QUEUE_READER], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     messages, cpu_seconds, latency = out.stdout.split()[-3:]
     assert messages == "step-1,step-2"
@@ -327,7 +338,9 @@ def test_sleeping_queue_readers_never_stall_a_step():
     import sys
 
     env = {**os.environ, vllm_plugin.ENV_WORKER_SPIN_MS: "0"}
-    out = subprocess.run([sys.executable, "-c", STEP_ROUND_TRIPS], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_ROUND_TRIPS], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     messages, slowest = out.stdout.split()[-2:]
     assert messages == "600"
@@ -414,7 +427,13 @@ def test_engine_tree_dies_with_its_owner():
     import sys
 
     repo, env = _env()
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER, _ENGINE, _GUARDED_WORKER], stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, _ENGINE, _GUARDED_WORKER],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env=env,
+    )
     engine, worker = map(int, owner.stdout.readline().split())
     time.sleep(1.0)
     assert not _gone(engine, 0.3) and not _gone(worker, 0.1), "the guard must not fire while the owner lives"
@@ -431,7 +450,9 @@ def test_guard_kills_the_tree_when_the_owner_is_gone():
 
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     repo, env = _env(KVTURN_OWNER_PID=str(owner.pid))
-    engine_proc = subprocess.Popen([sys.executable, "-c", _ENGINE, _PLAIN_CHILD], stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    engine_proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, _PLAIN_CHILD], stdout=subprocess.PIPE, text=True, cwd=repo, env=env
+    )
     engine, child = map(int, engine_proc.stdout.readline().split())
     time.sleep(0.5)
     assert not _gone(engine, 0.3)
@@ -465,7 +486,9 @@ def test_plugin_env_per_engine_kind():
     from connector import release
 
     role = EngineRoleConfig()
-    cpu_pd = plugin_env(TransferConfig(idle_poll_ms=20, nixl_progress_poll_ms=5), role, transfer=True, cpu=True)
+    cpu_pd = plugin_env(
+        TransferConfig(idle_poll_ms=20, nixl_progress_poll_ms=5), role, transfer=True, cpu=True
+    )
     assert cpu_pd == {
         vllm_plugin.ENV_IDLE_POLL_MS: "20.0",
         vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US: "5000",

@@ -21,13 +21,37 @@ class Reply:
     finish_reason: str
 
 
-def chat(url: str, messages: list[dict], *, session: str | None = None, stream: bool = False, max_tokens: int = 24, path="/v1/chat/completions", **extra) -> Reply:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+def chat(
+    url: str,
+    messages: list[dict],
+    *,
+    session: str | None = None,
+    stream: bool = False,
+    max_tokens: int = 24,
+    path="/v1/chat/completions",
+    **extra,
+) -> Reply:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
     return _send(url + path, body, session, stream, chat=True)
 
 
-def complete(url: str, prompt, *, session: str | None = None, stream: bool = False, max_tokens: int = 24) -> Reply:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+def complete(
+    url: str, prompt, *, session: str | None = None, stream: bool = False, max_tokens: int = 24
+) -> Reply:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     return _send(url + "/v1/completions", body, session, stream, chat=False)
 
 
@@ -39,7 +63,9 @@ def _send(url, body, session, stream, *, chat: bool) -> Reply:
         b = r.json()
         choice = b["choices"][0]
         text = choice["message"]["content"] if chat else choice["text"]
-        return Reply(text, choice["token_ids"], b["prompt_token_ids"], b["usage"], b["kvturn"], choice["finish_reason"])
+        return Reply(
+            text, choice["token_ids"], b["prompt_token_ids"], b["usage"], b["kvturn"], choice["finish_reason"]
+        )
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     texts, ids, usage, kvturn, prompt_ids, finish = [], [], None, None, None, None
     with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as r:
@@ -64,7 +90,17 @@ def _send(url, body, session, stream, *, chat: bool) -> Reply:
 
 def reference_tokens(url: str, prompt_ids: list[int], n: int) -> list[int]:
     """Greedy tokens of one plain engine recomputing the same prompt ids."""
-    r = httpx.post(url + "/ref/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "return_token_ids": True}, timeout=300)
+    r = httpx.post(
+        url + "/ref/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt_ids,
+            "max_tokens": n,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 

@@ -35,20 +35,31 @@ def main() -> None:
     ingress = serve.run(build(cfg), name="twonode", route_prefix="/")
     prefill = serve.get_deployment_handle("PrefillServer", "twonode")
     decode = serve.get_deployment_handle("DecodeServer", "twonode")
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Across two nodes, please. " * 3}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Across two nodes, please. " * 3},
+    ]
     turns = []
     for turn in range(2):
         before = prefill.stats.remote(ReplicaQuery()).result()
-        body = {"model": cfg.model_name, "messages": messages, "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+        body = {
+            "model": cfg.model_name,
+            "messages": messages,
+            "max_tokens": 20,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         reply = ingress.chat.remote(body, session_id="two-nodes").result()
         after = prefill.stats.remote(ReplicaQuery()).result()
-        turns.append({
-            "prompt_tokens": reply["usage"]["prompt_tokens"],
-            "completion_tokens": reply["usage"]["completion_tokens"],
-            "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
-            "prefill_external": after["prompt_tokens_external"] - before["prompt_tokens_external"],
-            "kvturn": reply["kvturn"],
-        })
+        turns.append(
+            {
+                "prompt_tokens": reply["usage"]["prompt_tokens"],
+                "completion_tokens": reply["usage"]["completion_tokens"],
+                "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "prefill_external": after["prompt_tokens_external"] - before["prompt_tokens_external"],
+                "kvturn": reply["kvturn"],
+            }
+        )
         messages = messages + [
             {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Tool result: ok, 3 items. " * 4},

@@ -26,13 +26,22 @@ WEATHER = {
 }
 LOGS = {
     "type": "object",
-    "properties": {"path": {"type": "string", "enum": ["/var/log/syslog", "/var/log/auth.log"]}, "tail": {"type": "boolean"}},
+    "properties": {
+        "path": {"type": "string", "enum": ["/var/log/syslog", "/var/log/auth.log"]},
+        "tail": {"type": "boolean"},
+    },
     "required": ["path", "tail"],
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "read_logs", "description": "Read a log file", "parameters": LOGS}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "read_logs", "description": "Read a log file", "parameters": LOGS},
+    },
 ]
 SCHEMAS = {"get_weather": WEATHER, "read_logs": LOGS}
 
@@ -50,7 +59,14 @@ def _create(client, stream: bool, **kwargs) -> dict:
     if not stream:
         r = client.chat.completions.create(model=MODEL, temperature=0, extra_body=extra, **kwargs)
         choice = r.choices[0]
-        calls = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in choice.message.tool_calls or []]
+        calls = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in choice.message.tool_calls or []
+        ]
         extras = r.model_extra
         return {
             "content": choice.message.content,
@@ -63,7 +79,16 @@ def _create(client, stream: bool, **kwargs) -> dict:
             "logprobs": choice.logprobs,
             "kvturn": extras["kvturn"],
         }
-    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kwargs))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            **kwargs,
+        )
+    )
     content, reasoning, calls, ids, finish, prompt_ids, kvturn = [], [], {}, [], None, None, None
     for c in chunks:
         extras = c.model_extra or {}
@@ -74,7 +99,9 @@ def _create(client, stream: bool, **kwargs) -> dict:
             content.append(d.content or "")
             reasoning.append((d.model_extra or {}).get("reasoning_content") or "")
             for tc in d.tool_calls or []:
-                call = calls.setdefault(tc.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call = calls.setdefault(
+                    tc.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 call["id"] = tc.id or call["id"]
                 if tc.function is not None:
                     call["function"]["name"] += tc.function.name or ""
@@ -166,7 +193,9 @@ def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
             else:
                 assert reply["finish_reason"] in ("length", "stop") and reply["content"]
             # Unconstrained: greedy tokens equal one engine's on the same prompt ids.
-            assert reply["token_ids"] == reference_tokens(apps["url"], reply["prompt_token_ids"], len(reply["token_ids"])), (i, reply)
+            assert reply["token_ids"] == reference_tokens(
+                apps["url"], reply["prompt_token_ids"], len(reply["token_ids"])
+            ), (i, reply)
         else:
             # Guided by the grammar of the named tool or of any tool: schema-valid calls.
             names = {"get_weather"} if isinstance(choice["tool_choice"], dict) else set(SCHEMAS)
@@ -184,8 +213,13 @@ def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
             assistant["tool_calls"] = reply["tool_calls"]
         messages = messages + [assistant]
         for call in reply["tool_calls"]:
-            result = {"get_weather": '{"temp": 21, "sky": "clear"}', "read_logs": "error: file not found; info: retrying in 5 seconds"}
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result[call["function"]["name"]] * 8})
+            result = {
+                "get_weather": '{"temp": 21, "sky": "clear"}',
+                "read_logs": "error: file not found; info: retrying in 5 seconds",
+            }
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": result[call["function"]["name"]] * 8}
+            )
         if not reply["tool_calls"]:
             messages.append({"role": "user", "content": "Now read the logs, please."})
     print(f"\ntool-call turns reuse (cached/prompt) {'sse' if stream else 'plain'}: {reuse}")
@@ -194,7 +228,11 @@ def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
 def test_response_format_json_schema_validates(apps):
     schema = {
         "type": "object",
-        "properties": {"status": {"type": "string", "enum": ["ok", "failed"]}, "retry": {"type": "boolean"}, "code": {"type": "integer", "enum": [200, 404, 500]}},
+        "properties": {
+            "status": {"type": "string", "enum": ["ok", "failed"]},
+            "retry": {"type": "boolean"},
+            "code": {"type": "integer", "enum": [200, 404, 500]},
+        },
         "required": ["status", "retry", "code"],
         "additionalProperties": False,
     }
@@ -206,21 +244,53 @@ def test_response_format_json_schema_validates(apps):
         jsonschema.validate(json.loads(reply["content"]), schema)
         assert reply["finish_reason"] == "stop"
     # Completions take it too.
-    r = httpx.post(apps["url"] + "/v1/completions", json={"model": MODEL, "prompt": "status:", "max_tokens": 160, "temperature": 0, "response_format": fmt}, timeout=300)
+    r = httpx.post(
+        apps["url"] + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "status:",
+            "max_tokens": 160,
+            "temperature": 0,
+            "response_format": fmt,
+        },
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
 
 
 def _ref_logprobs(apps, prompt_ids, n, k):
-    r = httpx.post(apps["url"] + "/ref/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "logprobs": k, "return_token_ids": True}, timeout=300)
+    r = httpx.post(
+        apps["url"] + "/ref/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt_ids,
+            "max_tokens": n,
+            "temperature": 0,
+            "logprobs": k,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
 def test_logprobs_openai_shaped_and_equal_to_single_engine(apps):
     url = apps["url"]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise the syslog with probabilities."}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3, "return_token_ids": True}
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Summarise the syslog with probabilities."},
+    ]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_token_ids": True,
+    }
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -248,7 +318,17 @@ def test_logprobs_openai_shaped_and_equal_to_single_engine(apps):
     assert [e["token"] for e in streamed] == [e["token"] for e in content]
     assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, content))
     # Completions: the legacy shape.
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": out["prompt_token_ids"], "max_tokens": 6, "temperature": 0, "logprobs": 2}, timeout=300)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": out["prompt_token_ids"],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 2,
+        },
+        timeout=300,
+    )
     legacy = r.json()["choices"][0]["logprobs"]
     assert set(legacy) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
@@ -263,11 +343,28 @@ def test_sampling_fields_reach_the_decode_engine(apps):
     base = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     plain = httpx.post(url + "/v1/chat/completions", json=base, timeout=300).json()["choices"][0]["token_ids"]
     forced = 42 if plain[0] != 42 else 43
-    biased = httpx.post(url + "/v1/chat/completions", json={**base, "logit_bias": {str(forced): 100}}, timeout=300).json()
+    biased = httpx.post(
+        url + "/v1/chat/completions", json={**base, "logit_bias": {str(forced): 100}}, timeout=300
+    ).json()
     assert biased["choices"][0]["token_ids"] == [forced] * 8
-    stopped = httpx.post(url + "/v1/chat/completions", json={**base, "stop_token_ids": [plain[2]], "min_tokens": 0}, timeout=300).json()["choices"][0]
-    assert stopped["token_ids"][-1] == plain[2] and stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) <= 3
-    sampled = {**base, "temperature": 1.5, "top_k": 50, "seed": 7, "presence_penalty": 1.0, "repetition_penalty": 1.2}
+    stopped = httpx.post(
+        url + "/v1/chat/completions",
+        json={**base, "stop_token_ids": [plain[2]], "min_tokens": 0},
+        timeout=300,
+    ).json()["choices"][0]
+    assert (
+        stopped["token_ids"][-1] == plain[2]
+        and stopped["finish_reason"] == "stop"
+        and len(stopped["token_ids"]) <= 3
+    )
+    sampled = {
+        **base,
+        "temperature": 1.5,
+        "top_k": 50,
+        "seed": 7,
+        "presence_penalty": 1.0,
+        "repetition_penalty": 1.2,
+    }
     a = httpx.post(url + "/v1/chat/completions", json=sampled, timeout=300).json()["choices"][0]["token_ids"]
     b = httpx.post(url + "/v1/chat/completions", json=sampled, timeout=300).json()["choices"][0]["token_ids"]
     assert a == b  # seeded
@@ -275,9 +372,19 @@ def test_sampling_fields_reach_the_decode_engine(apps):
 
 def test_reasoning_content_and_reuse_when_client_drops_it(apps):
     url = apps["url"]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Think about the weather in Oslo first."}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Think about the weather in Oslo first."},
+    ]
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}
-    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0, "return_token_ids": True, **thinking}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 16,
+        "temperature": 0,
+        "return_token_ids": True,
+        **thinking,
+    }
     # A session header: the next prompt does not extend this one (its answer is rendered
     # without the reasoning), so only the session names the conversation.
     headers = {"x-session-id": "reasoning-dropped"}
@@ -296,12 +403,19 @@ def test_reasoning_content_and_reuse_when_client_drops_it(apps):
     assert streamed == message["reasoning_content"]
     # Next turn: the client keeps only the content (as many do); the answer is still the
     # single engine's answer to the same prompt, and the history before the answer is reused.
-    history = messages + [{"role": "assistant", "content": message["content"] or ""}, {"role": "user", "content": "And in Rome?"}]
+    history = messages + [
+        {"role": "assistant", "content": message["content"] or ""},
+        {"role": "user", "content": "And in Rome?"},
+    ]
     before = engine_stats("PrefillServer")
-    second = httpx.post(url + "/v1/chat/completions", json={**body, "messages": history}, headers=headers, timeout=300).json()
+    second = httpx.post(
+        url + "/v1/chat/completions", json={**body, "messages": history}, headers=headers, timeout=300
+    ).json()
     pulled = delta(engine_stats("PrefillServer"), before)["prompt_tokens_external"]
     ids = second["choices"][0]["token_ids"]
     assert ids == reference_tokens(url, second["prompt_token_ids"], len(ids))
     prompt = second["usage"]["prompt_tokens"]
     assert pulled >= first["usage"]["prompt_tokens"] - 2 * apps["pd"].block_size
-    print(f"\nreasoning dropped by the client: reused {pulled}/{prompt} prompt tokens ({pulled / prompt:.0%})")
+    print(
+        f"\nreasoning dropped by the client: reused {pulled}/{prompt} prompt tokens ({pulled / prompt:.0%})"
+    )

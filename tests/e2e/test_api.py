@@ -26,7 +26,9 @@ def test_models_and_health(apps):
 def test_chat_pd_equals_single_engine_and_decode_loaded_prefill_kv(apps, stream):
     url = apps["url"]
     before = engine_stats("PrefillServer")
-    reply = chat(url, user(f"Summarise the logs of run {int(stream)} for me, please."), stream=stream, max_tokens=20)
+    reply = chat(
+        url, user(f"Summarise the logs of run {int(stream)} for me, please."), stream=stream, max_tokens=20
+    )
     assert reply.finish_reason in ("length", "stop")
     assert len(reply.token_ids) == reply.usage["completion_tokens"] > 0
     assert reply.usage["prompt_tokens"] == len(reply.prompt_token_ids)
@@ -47,7 +49,16 @@ def test_openai_client_reads_plain_and_streaming(apps):
     messages = user("Check the build status of the repository.")
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert plain.choices[0].message.content and plain.usage.completion_tokens == 12
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == plain.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 12
@@ -74,9 +85,25 @@ def test_completions_with_token_ids(apps):
 BAD_REQUESTS = [
     ("malformed_json", b"{not json", 400),
     ("unknown_model", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
-    ("max_tokens_zero", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
-    ("prompt_too_long", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 8}, 400),
-    ("client_transfer_params", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"do_remote_decode": True, "remote_block_ids": [[1]]}}, 400),
+    (
+        "max_tokens_zero",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        400,
+    ),
+    (
+        "prompt_too_long",
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 8},
+        400,
+    ),
+    (
+        "client_transfer_params",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"do_remote_decode": True, "remote_block_ids": [[1]]},
+        },
+        400,
+    ),
     ("no_messages", {"model": MODEL, "messages": []}, 400),
 ]
 
@@ -102,4 +129,6 @@ def test_bad_input_gets_openai_error_and_app_keeps_serving(apps, name, body, sta
 def test_handle_call_bad_input_raises(apps):
     handle = serve.get_app_handle("pd")
     with pytest.raises(Exception, match="kv_transfer_params"):
-        handle.chat.remote({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {}}).result()
+        handle.chat.remote(
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {}}
+        ).result()

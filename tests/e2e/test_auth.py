@@ -17,7 +17,9 @@ KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 def keyed(apps):
     from app.ingress import Ingress
 
-    cfg = pd_config(app_name="pd-keys", **{"access.api_keys": [KEY_A, KEY_B], "access.expose_kv_stats": False})
+    cfg = pd_config(
+        app_name="pd-keys", **{"access.api_keys": [KEY_A, KEY_B], "access.expose_kv_stats": False}
+    )
     prefill = serve.get_deployment_handle("PrefillServer", "pd")
     decode = serve.get_deployment_handle("DecodeServer", "pd")
     # pd's own store too (sessions of both apps in one store: the namespaces keep them apart).
@@ -40,10 +42,18 @@ def test_keys_are_required_except_for_health(keyed):
     assert httpx.get(keyed + "/health", timeout=30).status_code == 200
     msgs = [{"role": "user", "content": "hi"}]
     for key in (None, "wrong"):
-        for r in (httpx.get(keyed + "/v1/models", headers={"authorization": f"Bearer {key}"} if key else {}, timeout=30), post(keyed, key, msgs)):
+        for r in (
+            httpx.get(
+                keyed + "/v1/models", headers={"authorization": f"Bearer {key}"} if key else {}, timeout=30
+            ),
+            post(keyed, key, msgs),
+        ):
             assert r.status_code == 401, r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(keyed + "/v1/models", headers={"authorization": f"Bearer {KEY_A}"}, timeout=30).status_code == 200
+    assert (
+        httpx.get(keyed + "/v1/models", headers={"authorization": f"Bearer {KEY_A}"}, timeout=30).status_code
+        == 200
+    )
     # Switched off by config.
     r = httpx.get(keyed + "/v1/kv/stats", headers={"authorization": f"Bearer {KEY_A}"}, timeout=30)
     assert r.status_code == 404 and "error" in r.json()
@@ -56,11 +66,17 @@ def test_keys_are_required_except_for_health(keyed):
 
 
 def test_same_session_header_does_not_cross_tenants(keyed):
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Check the deploy logs, tenant A. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Check the deploy logs, tenant A. " * 3},
+    ]
     r1 = post(keyed, KEY_A, msgs, session="shared")
     assert r1.status_code == 200 and r1.json()["kvturn"]["session_id"] == "shared"
     assert r1.json()["kvturn"]["miss_reason"] == "no_conversation"  # the store answered
-    follow = msgs + [{"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]}, {"role": "user", "content": "Tool: ok. " * 6}]
+    follow = msgs + [
+        {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Tool: ok. " * 6},
+    ]
     before = engine_stats("PrefillServer")
     rb = post(keyed, KEY_B, follow, session="shared").json()
     assert rb["kvturn"]["session_id"] == "shared" and rb["kvturn"]["miss_reason"] == "no_conversation"
@@ -71,13 +87,21 @@ def test_same_session_header_does_not_cross_tenants(keyed):
     assert ra["kvturn"]["miss_reason"] is None
     cached = ra["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
-    assert engine_stats("PrefillServer")["prompt_tokens_external"] - before["prompt_tokens_external"] == cached
+    assert (
+        engine_stats("PrefillServer")["prompt_tokens_external"] - before["prompt_tokens_external"] == cached
+    )
 
 
 def test_sessionless_matching_never_crosses_tenants(keyed):
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "No header here, tenant A speaking. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "No header here, tenant A speaking. " * 3},
+    ]
     r1 = post(keyed, KEY_A, msgs).json()
-    follow = msgs + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}, {"role": "user", "content": "Tool: done. " * 6}]
+    follow = msgs + [
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Tool: done. " * 6},
+    ]
     ra = post(keyed, KEY_A, follow).json()
     assert ra["kvturn"]["session_id"] == r1["kvturn"]["session_id"]
     assert ra["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -15,7 +15,10 @@ from tests.e2e.helpers import MODEL, chat
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+}
 
 
 def c(**fields):
@@ -35,12 +38,32 @@ CASES = [
     ("malformed_json", CHAT, b"{not json", 400, {}),
     ("json_array_body", CHAT, b"[1, 2]", 400, {}),
     ("empty_body", CHAT, b"", 400, {}),
-    ("lone_surrogate", CHAT, b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, {}),
+    (
+        "lone_surrogate",
+        CHAT,
+        b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        {},
+    ),
     ("lone_surrogate_completion", COMPLETIONS, b'{"model": "tiny-qwen3", "prompt": "a\\udfff"}', 400, {}),
     ("deep_nesting", CHAT, nested(5000), 400, {}),
     ("deep_nesting_below_recursion", CHAT, nested(200), 400, {}),
-    ("huge_integer", CHAT, b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "x"}], "max_tokens": ' + b"9" * 5000 + b"}", 400, {}),
-    ("invalid_utf8", CHAT, b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, {}),
+    (
+        "huge_integer",
+        CHAT,
+        b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "x"}], "max_tokens": '
+        + b"9" * 5000
+        + b"}",
+        400,
+        {},
+    ),
+    (
+        "invalid_utf8",
+        CHAT,
+        b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        400,
+        {},
+    ),
     ("seed_beyond_int64", CHAT, c(seed=2**64), 400, {}),
     ("seed_beyond_int64_completion", COMPLETIONS, p(seed=-(2**64)), 400, {}),
     ("empty_stop", CHAT, c(stop=[""]), 400, {}),
@@ -51,16 +74,38 @@ CASES = [
     ("max_tokens_zero", CHAT, c(max_tokens=0), 400, {}),
     ("max_tokens_string", COMPLETIONS, p(max_tokens="many"), 400, {}),
     ("prompt_too_long", CHAT, c(messages=[{"role": "user", "content": "word " * 5000}]), 400, {}),
-    ("prompt_too_long_stream", CHAT, c(messages=[{"role": "user", "content": "word " * 5000}], stream=True), 400, {}),
+    (
+        "prompt_too_long_stream",
+        CHAT,
+        c(messages=[{"role": "user", "content": "word " * 5000}], stream=True),
+        400,
+        {},
+    ),
     ("prompt_too_long_completion_stream", COMPLETIONS, p(prompt="word " * 5000, stream=True), 400, {}),
     ("answer_too_long", COMPLETIONS, p(max_tokens=100_000), 400, {}),
-    ("client_transfer_params", CHAT, c(kv_transfer_params={"do_remote_decode": True, "remote_block_ids": [[1]]}), 400, {}),
+    (
+        "client_transfer_params",
+        CHAT,
+        c(kv_transfer_params={"do_remote_decode": True, "remote_block_ids": [[1]]}),
+        400,
+        {},
+    ),
     ("client_transfer_params_completion", COMPLETIONS, p(kv_transfer_params={}), 400, {}),
     ("no_messages", CHAT, c(messages=[]), 400, {}),
     ("messages_not_list", CHAT, c(messages="hi"), 400, {}),
     ("bad_role", CHAT, c(messages=[{"role": "robot", "content": "x"}]), 400, {}),
     ("content_number", CHAT, c(messages=[{"role": "user", "content": 5}]), 400, {}),
-    ("image_content", CHAT, c(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, {}),
+    (
+        "image_content",
+        CHAT,
+        c(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+            ]
+        ),
+        400,
+        {},
+    ),
     ("tool_message_without_id", CHAT, c(messages=[{"role": "tool", "content": "x"}]), 400, {}),
     ("n_two", CHAT, c(n=2), 400, {}),
     ("n_two_completion", COMPLETIONS, p(n=3), 400, {}),
@@ -80,15 +125,62 @@ CASES = [
     ("two_prompts", COMPLETIONS, p(prompt=["a", "b"]), 400, {}),
     ("echo", COMPLETIONS, p(echo=True), 400, {}),
     ("tools_empty", CHAT, c(tools=[]), 400, {}),
-    ("tools_bad_schema", CHAT, c(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]), 400, {}),
+    (
+        "tools_bad_schema",
+        CHAT,
+        c(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]),
+        400,
+        {},
+    ),
     ("tools_no_name", CHAT, c(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, {}),
-    ("tool_choice_unknown_tool", CHAT, c(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400, {}),
+    (
+        "tool_choice_unknown_tool",
+        CHAT,
+        c(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        {},
+    ),
     ("tool_choice_without_tools", CHAT, c(tool_choice="required"), 400, {}),
     ("tool_choice_bad_value", CHAT, c(tools=[TOOL], tool_choice="sometimes"), 400, {}),
     ("response_format_no_schema", CHAT, c(response_format={"type": "json_schema"}), 400, {}),
-    ("response_format_bad_schema", CHAT, c(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), 400, {}),
-    ("response_format_grammar_unsupported", CHAT, c(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}}), 400, {}),
-    ("response_format_grammar_unsupported_stream", CHAT, c(stream=True, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}), 400, {}),
+    (
+        "response_format_bad_schema",
+        CHAT,
+        c(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}),
+        400,
+        {},
+    ),
+    (
+        "response_format_grammar_unsupported",
+        CHAT,
+        c(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}},
+                    },
+                },
+            }
+        ),
+        400,
+        {},
+    ),
+    (
+        "response_format_grammar_unsupported_stream",
+        CHAT,
+        c(
+            stream=True,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+            },
+        ),
+        400,
+        {},
+    ),
     ("response_format_bad_type", COMPLETIONS, p(response_format={"type": "yaml"}), 400, {}),
     ("stream_options_without_stream", CHAT, c(stream_options={"include_usage": True}), 400, {}),
     ("chat_template_kwargs_reserved", CHAT, c(chat_template_kwargs={"tokenize": True}), 400, {}),
@@ -106,7 +198,12 @@ def test_bad_input_is_a_fast_openai_4xx(apps, name, path, body, status, headers)
     if isinstance(body, bytes):
         r = httpx.post(url, content=body, headers={"content-type": "application/json", **headers}, timeout=30)
     else:
-        r = httpx.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json", **headers}, timeout=30)
+        r = httpx.post(
+            url,
+            content=json.dumps(body).encode(),
+            headers={"content-type": "application/json", **headers},
+            timeout=30,
+        )
     took = time.monotonic() - started
     assert r.status_code == status, r.text[:500]
     error = r.json()["error"]
@@ -120,7 +217,15 @@ def test_bad_input_is_a_fast_openai_4xx(apps, name, path, body, status, headers)
         assert "'n'" in error["message"]
 
 
-@pytest.mark.parametrize("method,path,status", [("GET", CHAT, 405), ("PUT", COMPLETIONS, 405), ("GET", "/v1/nothing-here", 404), ("POST", "/v1/models", 405)])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("GET", CHAT, 405),
+        ("PUT", COMPLETIONS, 405),
+        ("GET", "/v1/nothing-here", 404),
+        ("POST", "/v1/models", 405),
+    ],
+)
 def test_routing_errors_are_openai_shaped(apps, method, path, status):
     r = httpx.request(method, apps["url"] + path, timeout=30)
     assert r.status_code == status

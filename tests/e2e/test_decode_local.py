@@ -66,7 +66,10 @@ def _wait_for(predicate, timeout_s: float):
 def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
     block = loc["cfg"].block_size
     url = loc["url"]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Look at the logs and the build. " * 3}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Look at the logs and the build. " * 3},
+    ]
 
     # Turn 1: a prompt longer than the limit goes through prefill.
     p0, d0 = _stats()
@@ -95,7 +98,10 @@ def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
 
     # Turn 3 adds a long tool result: prefill pulls the history, turn 2's tokens included.
     history = len(r2.prompt_token_ids) + len(r2.token_ids) - 1
-    messages += [{"role": "assistant", "content": r2.text}, {"role": "user", "content": "Tool result: " + "build ok, 0 warnings; " * 12}]
+    messages += [
+        {"role": "assistant", "content": r2.text},
+        {"role": "user", "content": "Tool result: " + "build ok, 0 warnings; " * 12},
+    ]
     r3 = chat(url, messages, session="local-1", max_tokens=16)
     assert len(r3.prompt_token_ids) - history > LIMIT
     p3, _ = _stats()
@@ -132,7 +138,9 @@ def test_pin_of_a_decode_local_request_expires_on_an_idle_engine(apps, loc):
     final = [chunk for chunk, _ in decode.generate.remote(request)][-1]
     handle = KVHandle.from_wire(final.kv_params)  # the blocks are pinned for a pull
     pinned = _blocks()
-    assert pinned["pinned_requests"] >= before["pinned_requests"] + 1 and pinned["pinned"] >= handle.num_blocks
+    assert (
+        pinned["pinned_requests"] >= before["pinned_requests"] + 1 and pinned["pinned"] >= handle.num_blocks
+    )
     ended = time.monotonic()
     # Nothing else runs on this engine now: only its own TTL can free the blocks.
     idle = _wait_for(lambda: (b := _blocks())["pinned"] == 0 and b, DECODER_TTL_S + 15)

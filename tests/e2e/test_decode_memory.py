@@ -27,7 +27,9 @@ from tests.e2e.helpers import SYSTEM, chat
 pytestmark = pytest.mark.e2e
 
 BLOCK = 32
-KV_BYTES_PER_BLOCK = 2 * 4 * 2 * 64 * BLOCK * 4  # K and V, 4 layers, 2 KV heads, head_dim 64, 4 bytes (CPU engine: float32)
+KV_BYTES_PER_BLOCK = (
+    2 * 4 * 2 * 64 * BLOCK * 4
+)  # K and V, 4 layers, 2 KV heads, head_dim 64, 4 bytes (CPU engine: float32)
 DECODE_BLOCKS = 256
 DECODER_TTL_S = 30.0
 HANDLE_TTL_S = 25.0
@@ -61,7 +63,11 @@ def mem_config(**overrides):
             "pull_timeout_s": 15,
             "pin_margin_s": PIN_MARGIN_S,
         },
-        "sessions": {"handle_ttl_s": HANDLE_TTL_S, "pinned_fraction": PINNED_FRACTION, "release_interval_s": 0.5},
+        "sessions": {
+            "handle_ttl_s": HANDLE_TTL_S,
+            "pinned_fraction": PINNED_FRACTION,
+            "release_interval_s": 0.5,
+        },
         "app_name": "mem",
     }
     return config_with(tree, overrides)
@@ -112,7 +118,13 @@ def ingress_counts(url: str) -> dict:
 def reference(ref_url: str, prompt_ids: list[int], n: int) -> list[int]:
     r = httpx.post(
         ref_url + "/v1/completions",
-        json={"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "return_token_ids": True},
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt_ids,
+            "max_tokens": n,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
         timeout=300,
     )
     assert r.status_code == 200, r.text

@@ -42,7 +42,12 @@ def test_every_engine_runs_the_threads_the_app_sized(apps):
         for replica_id, stats in engines.items():
             assert stats["cpu_threads"] == expected and stats["cpu_binding"] == "nobind", stats
             in_use = handle.cpu_in_use.remote(ReplicaQuery(replica_id)).result()
-            assert in_use == {"threads": expected, "cores": sorted(os.sched_getaffinity(0))}, (app, deployment, replica_id, in_use)
+            assert in_use == {"threads": expected, "cores": sorted(os.sched_getaffinity(0))}, (
+                app,
+                deployment,
+                replica_id,
+                in_use,
+            )
             total += in_use["threads"]
     # vLLM's own default would give each of the 4 engines every core.
     assert total == 4 * expected < 4 * cores or cores == 1

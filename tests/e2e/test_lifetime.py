@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.helpers import MODEL, SYSTEM
+from tests.e2e.helpers import SYSTEM
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,9 @@ class App:
         }
         config = {
             "http_options": {"host": "127.0.0.1", "port": self.port},
-            "applications": [{"name": "lifetime", "import_path": "app:graph", "route_prefix": "/", "args": args}],
+            "applications": [
+                {"name": "lifetime", "import_path": "app:graph", "route_prefix": "/", "args": args}
+            ],
         }
         path = tmp_path / "serve.json"  # JSON is YAML
         path.write_text(json.dumps(config))
@@ -65,7 +67,12 @@ class App:
         env.update(UCX_NET_DEVICES="lo", RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO))
         self.log = open(tmp_path / "serve.log", "w")
         self.proc = subprocess.Popen(
-            [SERVE, "run", str(path)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            [SERVE, "run", str(path)],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.seen_engines: set[int] = set()
         self.root = psutil.Process(self.proc.pid)
@@ -115,13 +122,22 @@ class App:
                 parent = " ".join(p.parent().cmdline())
             except psutil.Error:
                 continue
-            found[p.pid] = "decode" if "DecodeServer" in parent else "prefill" if "PrefillServer" in parent else "?"
+            found[p.pid] = (
+                "decode" if "DecodeServer" in parent else "prefill" if "PrefillServer" in parent else "?"
+            )
         self.seen_engines |= set(found)
         return found
 
     def turn(self, text: str) -> dict:
-        body = {"model": "tiny-qwen3", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}], "max_tokens": 8, "temperature": 0}
-        r = httpx.post(self.url + "/v1/chat/completions", json=body, headers={"x-session-id": "lifetime"}, timeout=120)
+        body = {
+            "model": "tiny-qwen3",
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        r = httpx.post(
+            self.url + "/v1/chat/completions", json=body, headers={"x-session-id": "lifetime"}, timeout=120
+        )
         assert r.status_code == 200, r.text
         return r.json()
 

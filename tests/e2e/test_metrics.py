@@ -55,7 +55,10 @@ def test_reuse_counters_on_the_metrics_port(apps):
         messages += [{"role": "user", "content": f"step {i}"}, {"role": "assistant", "content": "ok"}]
     messages.append({"role": "user", "content": "Now summarise the build log for me. " * 3})
     first = chat(url, messages, session="metrics-1", max_tokens=16)
-    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tool result: all green. " * 4}]
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Tool result: all green. " * 4},
+    ]
     before = engine_stats("PrefillServer")
     second = chat(url, messages, session="metrics-1", max_tokens=16, stream=True)
     pulled = second.usage["prompt_tokens_details"]["cached_tokens"]
@@ -68,8 +71,12 @@ def test_reuse_counters_on_the_metrics_port(apps):
         # Prefill's own prefix cache is off: every cached token was pulled from decode.
         assert total(s, "ray_kvturn_tokens_cached_total", **turn) == pulled
         assert total(s, "ray_kvturn_tokens_pulled_total", **turn) == second.kvturn["reused_from_decode"]
-        assert total(s, "ray_kvturn_prompt_tokens_total", **turn) == sum(r.usage["prompt_tokens"] for r in replies)
-        computed = sum(r.usage["prompt_tokens"] - r.usage["prompt_tokens_details"]["cached_tokens"] for r in replies)
+        assert total(s, "ray_kvturn_prompt_tokens_total", **turn) == sum(
+            r.usage["prompt_tokens"] for r in replies
+        )
+        computed = sum(
+            r.usage["prompt_tokens"] - r.usage["prompt_tokens_details"]["cached_tokens"] for r in replies
+        )
         assert total(s, "ray_kvturn_tokens_computed_total", **turn) == computed
         assert total(s, "ray_kvturn_ttft_seconds_count", **turn) == 2
         assert total(s, "ray_kvturn_kv_misses_total", mode="bidir", reason="no_conversation") >= 1
@@ -86,8 +93,14 @@ def test_reuse_counters_on_the_metrics_port(apps):
     engine = after["engine_id"]
 
     def engines_counted(s):
-        assert total(s, "ray_kvturn_nixl_transfer_bytes_total", role="prefill", engine=engine) == after["kv_transfer_bytes"]
-        assert total(s, "ray_kvturn_nixl_transfers_total", role="prefill", engine=engine) == after["kv_transfers"]
+        assert (
+            total(s, "ray_kvturn_nixl_transfer_bytes_total", role="prefill", engine=engine)
+            == after["kv_transfer_bytes"]
+        )
+        assert (
+            total(s, "ray_kvturn_nixl_transfers_total", role="prefill", engine=engine)
+            == after["kv_transfers"]
+        )
         assert total(s, "ray_kvturn_nixl_transfer_seconds_total", role="prefill", engine=engine) > 0
         assert total(s, "ray_kvturn_engine_kv_blocks", role="decode") > 0
         assert "ray_kvturn_engine_kv_blocks_in_use" in s

@@ -11,7 +11,7 @@ import time
 import pytest
 from ray import serve
 
-from tests.e2e.helpers import MODEL, SYSTEM, chat, complete, delta, engine_stats, kv_stats, reference_tokens
+from tests.e2e.helpers import MODEL, SYSTEM, chat, complete, delta, engine_stats, reference_tokens
 
 TOOL_RESULT = 'Tool result: {"status": "ok", "items": [1, 2, 3], "path": "/var/log/syslog", "lines": 42} '
 
@@ -31,7 +31,10 @@ def _turn_checks(apps, reply, before, history_len: int):
 
 
 def _run_chat(apps, session, stream, via_handle=False, turns=3):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Look at the logs and the build. " * 3}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Look at the logs and the build. " * 3},
+    ]
     history_len = 0
     replies = []
     for turn in range(turns):
@@ -50,7 +53,10 @@ def _run_chat(apps, session, stream, via_handle=False, turns=3):
         assert 0 <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
         history_len = len(reply.prompt_token_ids) + len(reply.token_ids) - 1
         replies.append(reply)
-        messages = messages + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": TOOL_RESULT * 2}]
+        messages = messages + [
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": TOOL_RESULT * 2},
+        ]
     return replies
 
 
@@ -58,10 +64,23 @@ def _handle_chat(messages, session):
     from tests.e2e.helpers import Reply
 
     handle = serve.get_app_handle("pd")
-    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 24,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     b = handle.chat.remote(body, session_id=session).result()
     c = b["choices"][0]
-    return Reply(c["message"]["content"], c["token_ids"], b["prompt_token_ids"], b["usage"], b["kvturn"], c["finish_reason"])
+    return Reply(
+        c["message"]["content"],
+        c["token_ids"],
+        b["prompt_token_ids"],
+        b["usage"],
+        b["kvturn"],
+        c["finish_reason"],
+    )
 
 
 @pytest.mark.parametrize("mode", ["plain", "sse", "handle"])
@@ -84,12 +103,18 @@ def test_completions_token_prompts_reuse(apps):
 
 
 def test_sessionless_client_gets_reuse(apps):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "No header from this client, only the SDK. " * 3}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "No header from this client, only the SDK. " * 3},
+    ]
     first = chat(apps["url"], messages, max_tokens=24)
     assert first.kvturn["session_id"].startswith("s-")
     previous = first
     for tool_output in (TOOL_RESULT, TOOL_RESULT * 2):
-        messages += [{"role": "assistant", "content": previous.text}, {"role": "user", "content": tool_output}]
+        messages += [
+            {"role": "assistant", "content": previous.text},
+            {"role": "user", "content": tool_output},
+        ]
         before = engine_stats("PrefillServer")
         reply = chat(apps["url"], messages, max_tokens=24)
         # Turns 2 and 3 are matched to the session by their tokens and text alone.
@@ -101,7 +126,10 @@ def test_sessionless_client_gets_reuse(apps):
 def test_interleaved_sessions_do_not_cross_talk(apps):
     url = apps["url"]
     convs = {
-        name: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Session {name}: " + topic * 3}]
+        name: [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Session {name}: " + topic * 3},
+        ]
         for name, topic in (("a", "weather in Paris. "), ("b", "SELECT id FROM users; "))
     }
     history = {}
@@ -127,7 +155,10 @@ def test_edited_history_never_pulls_past_the_edit(apps, edit):
     """An edited history pulls at most the verified common prefix (none when the edit is
     near the start), and the answer equals a recomputation."""
     url = apps["url"]
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Original question about the logs. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Original question about the logs. " * 3},
+    ]
     first = chat(url, msgs, session=f"edit-{edit}", max_tokens=20)
     edited = [dict(m) for m in msgs]
     if edit == "system_prompt":
@@ -162,13 +193,18 @@ def test_handle_is_single_use(apps):
     refused = [r for r in replies if r.kvturn["miss_reason"] == "claimed"]
     assert len(pulled) == 1 and len(refused) == 1, [r.kvturn for r in replies]
     assert replies[0].token_ids == replies[1].token_ids
-    assert replies[0].token_ids == reference_tokens(url, replies[0].prompt_token_ids, len(replies[0].token_ids))
+    assert replies[0].token_ids == reference_tokens(
+        url, replies[0].prompt_token_ids, len(replies[0].token_ids)
+    )
 
 
 def test_expired_handle_recomputes(apps):
     url = apps["url"]
     ttl = apps["pd"].sessions.handle_ttl_s
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "This one waits for a slow tool. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "This one waits for a slow tool. " * 3},
+    ]
     first = chat(url, msgs, session="slow-tool", max_tokens=20)
     time.sleep(ttl + 1)
     msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": TOOL_RESULT}]

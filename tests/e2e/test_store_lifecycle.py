@@ -20,7 +20,14 @@ pytestmark = pytest.mark.e2e
 def _settings(ttl: float):
     from connector.actor import StoreSettings
 
-    return StoreSettings(handle_ttl_s=ttl, decoder_ttl_s=40, max_sessions=100, max_blocks_per_engine=1000, index_block_size=32, shards=2)
+    return StoreSettings(
+        handle_ttl_s=ttl,
+        decoder_ttl_s=40,
+        max_sessions=100,
+        max_blocks_per_engine=1000,
+        index_block_size=32,
+        shards=2,
+    )
 
 
 def _dead(actor, within_s: float = 30) -> bool:

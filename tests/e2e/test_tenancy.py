@@ -51,11 +51,19 @@ def ten(apps):
     serve.delete(APP)
 
 
-def post(url: str, key: str, messages: list, session: str | None = None, max_tokens: int = 16) -> httpx.Response:
+def post(
+    url: str, key: str, messages: list, session: str | None = None, max_tokens: int = 16
+) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"}
     if session:
         headers["x-session-id"] = session
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
 
 
@@ -82,21 +90,33 @@ def own_figures(url: str, key: str) -> dict:
 
 def test_another_tenant_never_hits_a_tenants_cached_prompt(ten):
     url = ten["url"]
-    secret = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Confidential: the merger closes on Friday. " * 8}]
+    secret = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Confidential: the merger closes on Friday. " * 8},
+    ]
     a1 = ok(post(url, KEY_A, secret, session="deal"))
-    follow = secret + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]}, {"role": "user", "content": "Summarise it."}]
+    follow = secret + [
+        {"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Summarise it."},
+    ]
     a2 = ok(post(url, KEY_A, follow, session="deal"))
     assert cached(a2) >= len(a1["prompt_token_ids"]) - ten["cfg"].block_size  # A reuses its own history
     # Other tenants send A's exact conversation: under A's session id, a new one, none.
     for key, session in zip(PROBES, ("deal", "probe-new", None)):
         b = ok(post(url, key, follow, session=session))
         assert cached(b) == 0, (session, b["usage"])
-        assert b["kvturn"]["reused_from_decode"] == 0 and b["kvturn"]["miss_reason"] in (None, "no_conversation")
+        assert b["kvturn"]["reused_from_decode"] == 0 and b["kvturn"]["miss_reason"] in (
+            None,
+            "no_conversation",
+        )
     # Within tenant A the cache works: the same prompt under a new session id hits it.
     again = ok(post(url, KEY_A, secret, session="deal-copy"))
     assert cached(again) >= len(again["prompt_token_ids"]) - ten["cfg"].block_size
     # A's conversation is intact: its next turn reuses the history, answer as recomputed.
-    follow2 = follow + [{"role": "assistant", "content": a2["choices"][0]["message"]["content"]}, {"role": "user", "content": "Go on. " * 30}]
+    follow2 = follow + [
+        {"role": "assistant", "content": a2["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Go on. " * 30},
+    ]
     a3 = ok(post(url, KEY_A, follow2, session="deal"))
     assert a3["kvturn"]["miss_reason"] is None
     assert cached(a3) >= len(a2["prompt_token_ids"]) - ten["cfg"].block_size
@@ -115,7 +135,10 @@ def test_a_burst_over_its_share_evicts_only_its_own_conversations(ten):
     budget_blocks = int(0.5 * DECODE_BLOCKS)
     keep = {}
     for i in range(2):  # tenant A: two small conversations, well within half the budget
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tenant A task {i}: check the build."}]
+        msgs = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Tenant A task {i}: check the build."},
+        ]
         keep[f"a-{i}"] = (msgs, ok(post(url, KEY_A, msgs, session=f"a-{i}")))
     before_a, before_b = own_figures(url, KEY_A), own_figures(url, KEY_B)
     # Tenant B: a burst of conversations that together need more than the whole budget.
@@ -128,12 +151,18 @@ def test_a_burst_over_its_share_evicts_only_its_own_conversations(ten):
         if need > 2 * budget_blocks:
             break
     after_a, after_b = own_figures(url, KEY_A), own_figures(url, KEY_B)
-    assert after_b.get("evicted_for_blocks", 0) - before_b.get("evicted_for_blocks", 0) > 0, (before_b, after_b)
+    assert after_b.get("evicted_for_blocks", 0) - before_b.get("evicted_for_blocks", 0) > 0, (
+        before_b,
+        after_b,
+    )
     assert after_a.get("evicted_for_blocks", 0) == before_a.get("evicted_for_blocks", 0), (before_a, after_a)
     assert after_b["pinned_blocks"] <= budget_blocks
     # A's conversations kept their handles: their next turns claim them.
     for session, (msgs, first) in keep.items():
-        follow = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}, {"role": "user", "content": "And?"}]
+        follow = msgs + [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And?"},
+        ]
         nxt = ok(post(url, KEY_A, follow, session=session))
         assert nxt["kvturn"]["miss_reason"] is None, nxt["kvturn"]
 

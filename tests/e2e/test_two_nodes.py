@@ -22,8 +22,14 @@ GCS_PORT = 6390
 def _start(args: list[str], env: dict) -> subprocess.Popen:
     # --block keeps `ray start` in the foreground; its own process group lets the test
     # end the node and everything it started without touching other Ray clusters here.
-    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        [RAY, "start", "--block", "--disable-usage-stats", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture
@@ -32,11 +38,27 @@ def two_nodes():
     # Nodes and driver agree on no token auth (Ray turns it on for `ray start` when a
     # token file from an earlier local cluster exists).
     env.update(UCX_NET_DEVICES="lo", RAY_AUTH_MODE="disabled")
-    head = _start(["--head", f"--node-ip-address={HEAD}", f"--port={GCS_PORT}", "--num-cpus=4",
-                   "--resources={\"prefill_pool\": 1}", "--include-dashboard=false"], env)
+    head = _start(
+        [
+            "--head",
+            f"--node-ip-address={HEAD}",
+            f"--port={GCS_PORT}",
+            "--num-cpus=4",
+            '--resources={"prefill_pool": 1}',
+            "--include-dashboard=false",
+        ],
+        env,
+    )
     time.sleep(8)
-    worker = _start([f"--address={HEAD}:{GCS_PORT}", f"--node-ip-address={WORKER}", "--num-cpus=4",
-                     "--resources={\"decode_pool\": 1}"], env)
+    worker = _start(
+        [
+            f"--address={HEAD}:{GCS_PORT}",
+            f"--node-ip-address={WORKER}",
+            "--num-cpus=4",
+            '--resources={"decode_pool": 1}',
+        ],
+        env,
+    )
     time.sleep(8)
     try:
         yield f"{HEAD}:{GCS_PORT}"
@@ -57,9 +79,21 @@ def two_nodes():
 
 @pytest.mark.e2e
 def test_two_turns_across_nodes_reuse_kv(two_nodes):
-    env = {**os.environ, "RAY_ADDRESS": two_nodes, "UCX_NET_DEVICES": "lo", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "tests.e2e.multinode_driver"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": two_nodes,
+        "UCX_NET_DEVICES": "lo",
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": str(REPO),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.multinode_driver"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(lines[-1].removeprefix("REPORT "))

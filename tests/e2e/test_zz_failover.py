@@ -19,7 +19,9 @@ from tests.e2e.helpers import MODEL, SYSTEM, chat, kv_stats, reference_tokens
 def _replica_actor(deployment: str, replica: str | None = None):
     for a in ray.util.list_named_actors(all_namespaces=True):
         name = a["name"]
-        if name.startswith(f"SERVE_REPLICA::pd#{deployment}#") and (replica is None or name.endswith(replica)):
+        if name.startswith(f"SERVE_REPLICA::pd#{deployment}#") and (
+            replica is None or name.endswith(replica)
+        ):
             return ray.get_actor(name, namespace="serve")
     raise AssertionError(f"no live {deployment} replica {replica or ''}")
 
@@ -52,11 +54,17 @@ def test_no_handle_left_claimed_and_pins_expire(apps):
 
 def test_decode_replica_killed_between_turns(apps):
     url = apps["url"]
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Survive a lost decode replica. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Survive a lost decode replica. " * 3},
+    ]
     first = chat(url, msgs, session="failover", max_tokens=20)
     victim = first.kvturn["decode_replica"]
     ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
-    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tool result: ok. " * 4}]
+    msgs += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Tool result: ok. " * 4},
+    ]
     second = chat(url, msgs, session="failover", max_tokens=20)
     assert second.kvturn["decode_replica"] != victim
     assert second.token_ids == reference_tokens(url, second.prompt_token_ids, len(second.token_ids))
@@ -65,14 +73,29 @@ def test_decode_replica_killed_between_turns(apps):
 def test_decode_replica_killed_mid_stream(apps):
     url = apps["url"]
     _wait_running("DecodeServer", 2)  # the replica killed above is back
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Lose the stream, keep the session. " * 2}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Lose the stream, keep the session. " * 2},
+    ]
     first = chat(url, msgs, session="midstream", max_tokens=8)
     victim = first.kvturn["decode_replica"]
-    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now a long answer, please."}]
+    msgs += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Now a long answer, please."},
+    ]
     # The session's next turn streams from the same replica; it dies after the first token.
-    body = {"model": MODEL, "messages": msgs, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     events, killed_at = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"x-session-id": "midstream"}, timeout=120) as r:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={"x-session-id": "midstream"}, timeout=120
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line:
@@ -86,7 +109,11 @@ def test_decode_replica_killed_mid_stream(apps):
     assert error["error"]["code"] == "decode_failed" and error["error"]["type"] == "server_error", error
     # Tokens were streamed before the error, fewer than asked: the answer was cut.
     streamed = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert 0 < sum(len(c["choices"][0]["delta"].get("content") or "") for c in streamed if c.get("choices")) < 1500
+    assert (
+        0
+        < sum(len(c["choices"][0]["delta"].get("content") or "") for c in streamed if c.get("choices"))
+        < 1500
+    )
     # The client sends the turn again: the surviving replica answers it correctly.
     again = chat(url, msgs, session="midstream", max_tokens=12)
     assert again.kvturn["decode_replica"] != victim
@@ -100,16 +127,31 @@ def test_unstreamed_turn_outlives_its_decode_replica(apps):
 
     url = apps["url"]
     _wait_running("DecodeServer", 2)  # the replica killed above is back
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Lose the replica, not the answer. " * 2}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Lose the replica, not the answer. " * 2},
+    ]
     first = chat(url, msgs, session="unstreamed", max_tokens=8)
     victim = first.kvturn["decode_replica"]
-    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now a long answer, please."}]
+    msgs += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Now a long answer, please."},
+    ]
     before = kv_stats(url)["turns"]
-    body = {"model": MODEL, "messages": msgs, "max_tokens": 800, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     reply: dict = {}
 
     def send():
-        reply["r"] = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": "unstreamed"}, timeout=300)
+        reply["r"] = httpx.post(
+            url + "/v1/chat/completions", json=body, headers={"x-session-id": "unstreamed"}, timeout=300
+        )
 
     sender = threading.Thread(target=send)
     sender.start()
@@ -130,17 +172,26 @@ def test_unstreamed_turn_outlives_its_decode_replica(apps):
 
 def test_prefill_pool_lost_decode_computes_the_turn(apps):
     url = apps["url"]
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Survive a lost prefill pool. " * 3}]
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Survive a lost prefill pool. " * 3},
+    ]
     first = chat(url, msgs, session="no-prefill", max_tokens=12)
     assert first.kvturn["reused_from_decode"] == 0
     counts = kv_stats(url)["turns"]
     ray.kill(_replica_actor("PrefillServer"), no_restart=True)  # the only prefill replica
-    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Tool result: still fine. " * 4}]
+    msgs += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Tool result: still fine. " * 4},
+    ]
     started = time.monotonic()
     second = chat(url, msgs, session="no-prefill", max_tokens=12)
     waited = time.monotonic() - started
     after = kv_stats(url)["turns"]
-    grew = {k: after.get(k, 0) - counts.get(k, 0) for k in ("prefill_skipped", "prefill_failed", "pull_timeout", "prefill_timeout")}
+    grew = {
+        k: after.get(k, 0) - counts.get(k, 0)
+        for k in ("prefill_skipped", "prefill_failed", "pull_timeout", "prefill_timeout")
+    }
     # The leg that pulled from the dead replica failed or timed out. Then either no prefill
     # replica answered within the deadlines and decode computed the prompt, or Serve's
     # replacement replica came up in time and recomputed it (a fast restart): the turn is
