@@ -28,6 +28,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from app.config import TenantPolicy
 from app.protocol import APIError
@@ -129,7 +130,7 @@ class ApiKeys:
     def _lookup(self, key: str) -> Tenant:
         digest = hashlib.sha256(key.encode()).digest()
         found = None
-        for known, tenant in zip(self._digests, self._tenants):
+        for known, tenant in zip(self._digests, self._tenants, strict=True):
             if hmac.compare_digest(known, digest):
                 found = tenant
         if found is None:
@@ -137,6 +138,12 @@ class ApiKeys:
         return found
 
 
+@overload
+def scoped(namespace: str, session_id: str) -> str: ...
+@overload
+def scoped(namespace: str, session_id: None) -> None: ...
+@overload
+def scoped(namespace: str, session_id: str | None) -> str | None: ...
 def scoped(namespace: str, session_id: str | None) -> str | None:
     """The internal id of a client's session id (None stays None)."""
     return None if session_id is None else namespace + session_id

@@ -80,8 +80,8 @@ def build(cfg: AppConfig) -> Application:
     if cfg.mode is not Mode.ONEWAY:
         # Part of the graph: its settings follow every deploy, and it goes with the app.
         placement = {"num_cpus": 0, "resources": dict(cfg.sessions.store_resources)}
-        store = SessionStore.options(ray_actor_options=placement).bind(store_settings(cfg))
-    ingress = Ingress.options(
+        store = SessionStore.options(ray_actor_options=placement).bind(store_settings(cfg))  # type: ignore[attr-defined]
+    ingress = Ingress.options(  # type: ignore[attr-defined]
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},

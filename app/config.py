@@ -255,7 +255,8 @@ class SessionConfig(_Strict):
     )
     store_resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Ray resources of the SessionStore replica (placement, e.g. {'head': 0.01}); its shards run beside it.",
+        description="Ray resources of the SessionStore replica (placement, e.g. {'head': 0.01}); "
+        "its shards run beside it.",
     )
     prefill_routing: Literal["least_loaded", "sticky"] = Field(
         "least_loaded",

@@ -12,12 +12,15 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
 from app.registry import NodeRegistry
 from app.sizing import CpuPlan
 from connector import release, vllm_plugin
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,8 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         if cfg.transfer.host_offload_bytes:
             if current_platform.is_cpu():
                 raise ValueError(
-                    "transfer.host_offload_bytes needs accelerator engines: on CPU the KV cache already is host memory"
+                    "transfer.host_offload_bytes needs accelerator engines: "
+                    "on CPU the KV cache already is host memory"
                 )
             kv_transfer_config = with_host_offload(kv_transfer_config, cfg.transfer.host_offload_bytes)
     kwargs: dict[str, Any] = dict(
@@ -352,7 +356,7 @@ class VLLMEngine:
         self._transfer = transfer
         self._node_ip = node_ip
         self._counts = PromptTokenCounts()
-        self._llm = None
+        self._llm: AsyncLLM | None = None
         self.side_channel: tuple[str, int] | None = None
         self.cpu_plan: CpuPlan | None = None
         self.kv_blocks_total: int | None = None
@@ -475,6 +479,7 @@ class VLLMEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         timed = False
+        assert self._llm is not None  # started
         async for out in self._llm.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]
             timings = None
@@ -572,7 +577,7 @@ def _logprobs(token_ids, positions, k: int) -> tuple[TokenLogprob, ...]:
     """vLLM's per-position logprob dicts as plain values: the chosen token (always in its
     position's dict) and the `k` top alternatives by rank (-1: all vLLM returned)."""
     out = []
-    for token_id, position in zip(token_ids, positions or ()):
+    for token_id, position in zip(token_ids, positions or (), strict=False):
         chosen = position.get(token_id)
         ranked = sorted(
             ((tid, lp) for tid, lp in position.items() if lp.rank is not None and (k < 0 or lp.rank <= k)),

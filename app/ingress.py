@@ -83,7 +83,7 @@ class _HFTokenizer:
                 400,
                 f"messages could not be rendered by the chat template: {str(exc)[:300]}",
                 param="messages",
-            )
+            ) from exc
 
     @property
     def hf(self):
@@ -110,6 +110,7 @@ class ServeEngineClients:
         self._decode_live = decode_live
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        assert self._prefill is not None  # called in P/D modes only, which have prefill
         return await self._prefill.prefill.remote(request)
 
     async def decode(self, request: EngineRequest):
@@ -199,7 +200,7 @@ class Ingress:
             *(asyncio.wait_for(h.stats.remote(ReplicaQuery()), 5.0) for h in engines.values()),
             return_exceptions=True,
         )
-        waiting = [role for role, r in zip(engines, results) if isinstance(r, BaseException)]
+        waiting = [role for role, r in zip(engines, results, strict=True) if isinstance(r, BaseException)]
         if waiting:
             detail = f"engines not ready: {', '.join(sorted(waiting))}"
             return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
@@ -405,7 +406,7 @@ class Ingress:
         try:
             params = body.to_sampling_params(max_tokens, {})
         except (ValueError, TypeError) as exc:  # vLLM's checks of the client's values
-            raise openai_api.client_error(exc)
+            raise openai_api.client_error(exc) from exc
         openai_api.check_structured_output(params)
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -488,7 +489,7 @@ class Ingress:
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list | None = [] if body.requested_logprobs is not None else None
-        result = None
+        result: TurnResult | None = None
         with self._admitted(prepared):
             async for event in self._turns.run(turn):
                 if isinstance(event, Delta):
@@ -498,6 +499,7 @@ class Ingress:
                         logprobs.extend(event.logprobs)
                 else:
                     result = event
+        assert result is not None  # a turn ends with its `TurnResult`
         self._record_turn(result, body, prepared.tenant)
         text = "".join(texts)
         if kind == "chat.completion":

@@ -124,7 +124,12 @@ class DecodeMemory:
         """Learn the block count of live decode replicas not met yet, and tell the store
         the count of every live engine (idempotent). Returns the engines told."""
         replicas = getattr(self._clients, "decode_replicas", lambda: None)()
-        if not self.enabled or replicas is None or not hasattr(self._clients, "decode_kv_blocks"):
+        if (
+            not self.enabled
+            or self._store is None
+            or replicas is None
+            or not hasattr(self._clients, "decode_kv_blocks")
+        ):
             return 0
         for gone in set(self._engine_of) - set(replicas):
             self._blocks.pop(self._engine_of.pop(gone), None)
@@ -160,7 +165,7 @@ class DecodeMemory:
     async def flush(self) -> int:
         """Take the store's releases and send them to their decode replicas, grouped.
         Returns how many pinned requests the engines released."""
-        if not self.enabled:
+        if not self.enabled or self._store is None:
             return 0
         if self._flush_lock is None:
             self._flush_lock = asyncio.Lock()

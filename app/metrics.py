@@ -130,7 +130,8 @@ class TurnMetrics:
         )
         self.events = ray_metrics.Counter(
             "kvturn_turn_events",
-            "The orchestration's event counters (pull_timeout, pull_short, decode_retried, drift_cut, spliced, ...).",
+            "The orchestration's event counters "
+            "(pull_timeout, pull_short, decode_retried, drift_cut, spliced, ...).",
             tag_keys=("event",),
         )
         self.pull_timeouts = ray_metrics.Counter(
@@ -231,7 +232,7 @@ class TurnMetrics:
 class StoreGauges:
     """The handle store's state as gauges (set by `TurnMetrics`'s poll)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.handles = ray_metrics.Gauge(
             "kvturn_store_handles", "Handles in the store by state.", tag_keys=("state",)
         )
@@ -251,7 +252,8 @@ class StoreGauges:
         )
         self.tenant = ray_metrics.Gauge(
             "kvturn_store_tenant",
-            "Per tenant: sessions kept, blocks pinned, evictions (for blocks, for its session limit; cumulative).",
+            "Per tenant: sessions kept, blocks pinned, evictions "
+            "(for blocks, for its session limit; cumulative).",
             tag_keys=("tenant", "figure"),
         )
         self._seen_states: set[str] = set()
@@ -334,7 +336,8 @@ class EngineMetrics:
         role_tags = ("role", "engine")
         self.blocks_in_use = ray_metrics.Gauge(
             "kvturn_engine_kv_blocks_in_use",
-            "KV blocks in use: running requests plus blocks held for transfer (with nothing running: the pinned blocks).",
+            "KV blocks in use: running requests plus blocks held for transfer "
+            "(with nothing running: the pinned blocks).",
             tag_keys=role_tags,
         )
         self.blocks_total = ray_metrics.Gauge(

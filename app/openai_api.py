@@ -130,7 +130,7 @@ def check_structured_output(params) -> None:
     except VLLMValidationError:
         raise
     except (ValueError, TypeError) as exc:
-        raise client_error(exc)
+        raise client_error(exc) from exc
 
 
 # -- errors --------------------------------------------------------------------------------

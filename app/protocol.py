@@ -19,7 +19,7 @@ Every refusal is an `APIError` (an OpenAI-style `{"error": {...}}` body with its
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import model_validator
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as _VLLMChatRequest
@@ -133,6 +133,13 @@ def _check_schema(schema: Any, param: str) -> None:
 
 class _Checks:
     """What both endpoints check beyond vLLM's models (see the module docstring)."""
+
+    if TYPE_CHECKING:  # fields of the vLLM request models this is mixed into
+        stream_options: Any
+        stop_token_ids: list[int] | None
+        allowed_token_ids: list[int] | None
+        logprob_token_ids: list[int] | None
+        logit_bias: dict[str, float] | None
 
     @model_validator(mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 class Liveness:
     """Running replicas per (app, deployment), as the routers of this process last saw them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._live: dict[tuple[str, str], frozenset[str]] = {}
 
     def record(self, app: str, deployment: str, replica_ids: frozenset[str]) -> None:

@@ -35,7 +35,7 @@ class EngineServer:
 
     role = "engine"
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, cfg: AppConfig, role_cfg: EngineRoleConfig, *, transfer: bool, engine: Engine | None = None
     ):
         self._cfg = cfg
@@ -123,9 +123,10 @@ class EngineServer:
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk | None, str]:
         """Compute the prompt (pulling what the transfer params allow) and keep its KV
-        for a decode engine. Returns the final output and this replica's id."""
+        for a decode engine. Returns the final output (None if the engine gave none) and
+        this replica's id."""
         last, timings = None, None
         async for chunk in self._run(request):
             last, timings = chunk, chunk.engine_timings or timings

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 
 from app.config import AppConfig, Mode
 from app.engine import EngineChunk, EngineRequest, Sampling
-from app.memory import DecodeMemory
+from app.memory import DecodeMemory, DecodeMemoryClients, MemoryStore
 from app.protocol import APIError
 from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
@@ -42,8 +42,9 @@ class Tokenizer(Protocol):
         ...
 
 
-class EngineClients(Protocol):
-    """How the orchestration reaches engine replicas (Serve handles in production)."""
+class EngineClients(DecodeMemoryClients, Protocol):
+    """How the orchestration reaches engine replicas (Serve handles in production), the
+    decode-memory calls of `app.memory` included."""
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]: ...
 
@@ -52,7 +53,10 @@ class EngineClients(Protocol):
     def decode_alive(self, replica_id: str) -> bool | None: ...
 
 
-class Store(Protocol):
+class Store(MemoryStore, Protocol):
+    """The handle store (`connector.actor.StoreClient` in production), with the
+    decode-memory hooks of `app.memory`."""
+
     async def match(
         self, prompt_ids: Sequence[int], prompt_text: str | None = None
     ) -> tuple[str | None, int]: ...
@@ -238,12 +242,18 @@ class Turns:
             if local and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
                 leg = _LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
+
+            def can_restart() -> bool:  # reads `sent` as the loop below sets it
+                return not sent
+
             try:
-                async for item in self._decode(request, can_restart=lambda: not sent):
+                async for item in self._decode(request, can_restart=can_restart):
                     if isinstance(item, _Restart):
                         # Another replica computes the prompt (and, if output had begun,
                         # the whole answer) again: nothing of the failed attempt is kept.
-                        generated.clear(), texts.clear(), held.clear()
+                        generated.clear()
+                        texts.clear()
+                        held.clear()
                         final, recomputed = None, True
                         continue
                     chunk, replica = item
@@ -404,8 +414,10 @@ class Turns:
                 self.counts["miss_pin_deadline"] += 1
                 return None, "pin_deadline"
         conv = claim.conversation
+        assert conv is not None  # a claimed handle comes with its conversation
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
             self.counts["miss_replica_gone"] += 1
+            assert self._store is not None  # the claim came from it
             await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
             return None, "replica_gone"
         handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
@@ -493,6 +505,7 @@ class Turns:
         )
         if history is not None and pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
             timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
+        final: EngineChunk | None
         try:
             final = await self._paced_prefill(request, new_tokens, timeout)
         except TimeoutError:

@@ -142,18 +142,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument(
         "--decode-local-tokens",
         type=int,
-        help="the app's transfer.decode_local_tokens: bidir turns computing at most this many tokens skip prefill (0: none do)",
+        help="the app's transfer.decode_local_tokens: bidir turns computing at most this many tokens "
+        "skip prefill (0: none do)",
     )
     e.add_argument(
         "--decode-local-busy-tokens",
         type=int,
-        help="the app's transfer.decode_local_busy_tokens: while prefill is busy, bidir turns computing at most this "
-        "many tokens go to their decode replica when it answers sooner (0: never)",
+        help="the app's transfer.decode_local_busy_tokens: while prefill is busy, bidir turns computing "
+        "at most this many tokens go to their decode replica when it answers sooner (0: never)",
     )
     e.add_argument(
         "--host-offload-gib",
         type=float,
-        help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL (transfer.host_offload_bytes)",
+        help="accelerator profiles: host DRAM per engine for vLLM's OffloadingConnector beside NIXL "
+        "(transfer.host_offload_bytes)",
     )
     e.add_argument(
         "--threads",

@@ -124,7 +124,7 @@ async def chat_turn(
         raise TurnFailed("no content chunk in the stream")
     record.ttft_s = stamps[0] - start
     record.e2e_s = end - start
-    record.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    record.itl_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     text = "".join(texts)
     record.answer_chars = len(text)
     record.ok = True

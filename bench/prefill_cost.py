@@ -178,6 +178,7 @@ def _run(args: argparse.Namespace, variant: str) -> dict:
                 text=True,
                 start_new_session=True,
             )
+            assert decoder.stdout is not None  # stdout=PIPE
             while (line := decoder.stdout.readline()) and line.strip() != "ready":
                 pass
             time.sleep(2)
@@ -213,12 +214,14 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         results[variant] = _run(args, variant)
         print(
-            f"{variant}: median {results[variant]['median_s']:.2f} s ({time.perf_counter() - t:.0f} s with start-up)",
+            f"{variant}: median {results[variant]['median_s']:.2f} s "
+            f"({time.perf_counter() - t:.0f} s with start-up)",
             flush=True,
         )
     base = results.get("plain", {}).get("median_s")
     lines = [
-        f"{args.new} new tokens over a cached history of {args.history}, model `{os.path.basename(args.model)}`, "
+        f"{args.new} new tokens over a cached history of {args.history}, "
+        f"model `{os.path.basename(args.model)}`, "
         f"{args.threads} thread(s) per engine, median of {args.reps}.",
         "",
         "| variant | prefill seconds | vs plain | decode ms a token | vs plain |",

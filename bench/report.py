@@ -70,7 +70,7 @@ def turn_stats(records: list) -> dict[str, Any]:
     }
 
 
-def _hops(records: list) -> dict[str, float]:
+def _hops(records: list) -> dict[str, float | None]:
     """Mean seconds of each hop of the time to first token (`app.metrics.turn_hops`)."""
     from app.metrics import turn_hops
 
@@ -335,6 +335,7 @@ def markdown(results: dict) -> str:
         pre = mode["engines"].get("prefill") if mode["engines"] else None
         dec = mode["engines"].get("decode") if mode["engines"] else None
         single = pre is None and dec is not None
+        first = (dec if single else pre) if (pre or dec) else None  # the engine that gets the prompt
         lines.append(
             "| "
             + " | ".join(
@@ -344,8 +345,8 @@ def markdown(results: dict) -> str:
                     _f(mode["deploy_s"], 0),
                     _f(o["output_tok_s_aggregate"], 1),
                     _i(pre["prompt_tokens_external"]) if pre else "-",
-                    _i((dec if single else pre)["prompt_tokens_local_hit"]) if (pre or dec) else "-",
-                    _i((dec if single else pre)["prompt_tokens_computed"]) if (pre or dec) else "-",
+                    _i(first["prompt_tokens_local_hit"]) if first is not None else "-",
+                    _i(first["prompt_tokens_computed"]) if first is not None else "-",
                     _i(dec["prompt_tokens_external"]) if dec and not single else "-",
                     _pulls(mode.get("kv_stats")),
                     _pair(pre, dec, "kv_transfers", _i),
@@ -359,12 +360,12 @@ def markdown(results: dict) -> str:
     lines.append("")
     lines.append(
         "TTFT: request sent to first content chunk. cached: prompt tokens the first engine did not compute "
-        "(usage.prompt_tokens_details.cached_tokens); from decode: history offered to prefill from the decode "
-        "engine (kvturn.reused_from_decode). Engine columns count prompt tokens over the measured phase; for "
-        "single they are the one engine's. Token columns per turn are sums over the turn's requests. "
-        "prefill leg done / first token at ingress: the app's own timings (kvturn.timings), mean seconds "
-        "from the turn's arrival at the ingress. NIXL reads: transfers each engine made (prefill pulling "
-        "history from decode, decode reading new blocks from prefill), their total time and size, from "
-        "the NixlConnector's own stats."
+        "(usage.prompt_tokens_details.cached_tokens); from decode: history offered to prefill from the "
+        "decode engine (kvturn.reused_from_decode). Engine columns count prompt tokens over the measured "
+        "phase; for single they are the one engine's. Token columns per turn are sums over the turn's "
+        "requests. prefill leg done / first token at ingress: the app's own timings (kvturn.timings), mean "
+        "seconds from the turn's arrival at the ingress. NIXL reads: transfers each engine made (prefill "
+        "pulling history from decode, decode reading new blocks from prefill), their total time and size, "
+        "from the NixlConnector's own stats."
     )
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,8 @@ def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
     except Exception:
         return None
     seen: dict[str, dict] = {}
-    for rid in _replica_ids(app, deployment) or [None]:
+    rids: Sequence[str | None] = _replica_ids(app, deployment) or [None]
+    for rid in rids:
         try:
             stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)
         except Exception:
@@ -246,7 +247,7 @@ def run_mode(
             _measure(url, model, warmup, mode + "-warmup", lambda r: None)
             warmup_s = time.perf_counter() - t
         time.sleep(1.0)  # engine stats are recorded after each step's outputs
-        roles = (("prefill", "PrefillServer"),) if cfg.disaggregated else ()
+        roles: tuple[tuple[str, str], ...] = (("prefill", "PrefillServer"),) if cfg.disaggregated else ()
         roles += (("decode", "DecodeServer"),)
         before = {role: engine_counters(app_name, dep) for role, dep in roles}
         kv_before = asyncio.run(kv_stats(url))

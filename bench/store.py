@@ -1,9 +1,9 @@
 """Session store benchmark: the handle store at agent-fleet scale.
 
-    python -m bench.store                               # 1k, 10k, 100k sessions, then the Ray actor
-    python -m bench.store --quick                       # 1k and 10k, shorter actor run
+    python -m bench.store                             # 1k, 10k, 100k sessions, then the Ray actor
+    python -m bench.store --quick                     # 1k and 10k, shorter actor run
     python -m bench.store --sessions 1000 --no-actor
-    python -m bench store --quick                       # the same through `make bench BENCH_ARGS="store --quick"`
+    python -m bench store --quick                     # the same via `make bench BENCH_ARGS="store --quick"`
 
 Live sessions of `--tokens` (8k) tokens sharing a `--system` (2k) token system prompt, each
 with its rendered text (`--chars-per-token` characters a token) and a decode handle on one
@@ -166,7 +166,8 @@ class Fleet:
     def conversation(self, i: int) -> Conversation:
         a = self.args
         ids = self.system + self.unique(a.tokens - a.system, i)
-        text = self.system_text + self.text(a.tokens - a.system, i) if self.system_text is not None else None
+        body = self.text(a.tokens - a.system, i)
+        text = self.system_text + body if self.system_text is not None and body is not None else None
         return Conversation(
             f"s{i}",
             ids,
@@ -180,7 +181,9 @@ class Fleet:
         """The session's next turn: 64 new prompt tokens and a 128-token answer."""
         extra = self.unique(NEXT_PROMPT + ANSWER, tag)
         ids = conv.compact_ids + extra
-        text = conv.text + self.text(NEXT_PROMPT + ANSWER, tag) if conv.text is not None else None
+        more = self.text(NEXT_PROMPT + ANSWER, tag)
+        text = conv.text + more if conv.text is not None and more is not None else None
+        assert conv.handle is not None  # every fleet conversation has one
         engine = int(conv.handle.engine_id.rsplit("-", 1)[1])
         return Conversation(
             conv.session_id,
@@ -238,7 +241,8 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
     rss = rss_bytes() - rss0
     stats = store.stats()
     log(
-        f"  {n} sessions in {build_s:.1f} s; store {stats['bytes'] / 2**20:.0f} MiB, rss +{rss / 2**20:.0f} MiB"
+        f"  {n} sessions in {build_s:.1f} s; store {stats['bytes'] / 2**20:.0f} MiB, "
+        f"rss +{rss / 2**20:.0f} MiB"
     )
 
     gc.disable()  # time the store, not the collector's passes over 100k records
@@ -249,6 +253,7 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
             t0 = time.perf_counter()
             claim = store.begin_turn(sid)
             t1 = time.perf_counter()
+            assert claim.conversation is not None  # no session is evicted here
             nxt = fleet.next_turn(claim.conversation, 10**7 + k)
             t2 = time.perf_counter()
             store.end_turn(claim.lease_id, TurnOutcome.PULLED, nxt)
@@ -258,15 +263,14 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
         new_s = []
         for k in range(ops):
             prompt = list(fleet.system + fleet.unique(NEW_MESSAGE, 2 * 10**7 + k))
+            message = fleet.text(NEW_MESSAGE, 2 * 10**7 + k)
             text = (
-                fleet.system_text + fleet.text(NEW_MESSAGE, 2 * 10**7 + k)
-                if fleet.system_text is not None
-                else None
+                fleet.system_text + message if fleet.system_text is not None and message is not None else None
             )
             t0 = time.perf_counter()
-            sid, _ = store.match(prompt, text)
+            matched, _ = store.match(prompt, text)
             new_s.append(time.perf_counter() - t0)
-            assert sid is None, f"a new conversation matched {sid}"
+            assert matched is None, f"a new conversation matched {matched}"
         new_work = {k: v / ops for k, v in store.counts.items() if k.startswith("match_")}
 
         store.counts.clear()
@@ -276,8 +280,10 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
             conv = store.begin_turn(sid)
             store.end_turn(conv.lease_id, TurnOutcome.UNUSED, None)
             held = conv.conversation
+            assert held is not None  # no session is evicted here
             prompt = list(held.compact_ids + fleet.unique(NEXT_PROMPT, 3 * 10**7 + k))
-            text = held.text + fleet.text(NEXT_PROMPT, 3 * 10**7 + k) if held.text is not None else None
+            more = fleet.text(NEXT_PROMPT, 3 * 10**7 + k)
+            text = held.text + more if held.text is not None and more is not None else None
             t0 = time.perf_counter()
             found, agree = store.match(prompt, text)
             next_s.append(time.perf_counter() - t0)
@@ -310,7 +316,7 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = HandleStoreActor.remote(
+        actor = HandleStoreActor.remote(  # type: ignore[attr-defined]
             handle_ttl_s=420,
             decoder_ttl_s=480,
             max_sessions=10**6,
@@ -347,7 +353,7 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
                 pairs.append(time.perf_counter() - t0)
                 k += 1
 
-        async def run():
+        async def run() -> tuple[list[float], float, float]:
             await preload()
             pairs: list[float] = []
             cpu0 = (await actor.stats.remote())["cpu_s"]
@@ -359,7 +365,8 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
         t0 = time.perf_counter()
         pairs, elapsed, cpu_s = asyncio.run(run())
         log(
-            f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), preload {time.perf_counter() - t0 - elapsed:.0f} s"
+            f"  actor: {len(pairs)} turns in {elapsed:.1f} s ({len(pairs) / elapsed:.0f}/s), "
+            f"preload {time.perf_counter() - t0 - elapsed:.0f} s"
         )
         # What a turn costs the shard's process (all its threads), whoever else shares the cores:
         # the rate one shard would sustain on a core of its own with callers that keep up.
@@ -390,26 +397,33 @@ def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
 def markdown(results: dict) -> str:
     a = results["args"]
     lines = [
-        f"Sessions of {a['tokens']} tokens sharing a {a['system']}-token system prompt, text {a['chars_per_token']} chars/token, "
+        f"Sessions of {a['tokens']} tokens sharing a {a['system']}-token system prompt, "
+        f"text {a['chars_per_token']} chars/token, "
         f"{a['engines']} engines, {a['ops']} operations each; {results['host']['cpus']} CPUs.",
         "",
-        "| live sessions | build | bytes/session | RSS growth | begin+end turn p50 / p99 | match new conversation p50 / p99 | match next turn p50 / p99 |",
+        "| live sessions | build | bytes/session | RSS growth | begin+end turn p50 / p99 "
+        "| match new conversation p50 / p99 | match next turn p50 / p99 |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["in_process"]:
         t, m, x = r["begin_end_turn"], r["match_new"], r["match_next_turn"]
         lines.append(
-            f"| {r['sessions']:,} | {r['build_s']:.0f} s | {r['bytes_per_session'] / 1024:.1f} KiB | {r['rss_growth_bytes'] / 2**30:.2f} GiB "
-            f"| {t['p50_ms']:.3f} / {t['p99_ms']:.3f} ms | {m['p50_ms']:.2f} / {m['p99_ms']:.2f} ms | {x['p50_ms']:.2f} / {x['p99_ms']:.2f} ms |"
+            f"| {r['sessions']:,} | {r['build_s']:.0f} s | {r['bytes_per_session'] / 1024:.1f} KiB "
+            f"| {r['rss_growth_bytes'] / 2**30:.2f} GiB "
+            f"| {t['p50_ms']:.3f} / {t['p99_ms']:.3f} ms | {m['p50_ms']:.2f} / {m['p99_ms']:.2f} ms "
+            f"| {x['p50_ms']:.2f} / {x['p99_ms']:.2f} ms |"
         )
     actor = results.get("actor")
     if actor:
         p = actor["pair_latency"]
         lines += [
             "",
-            "| through the Ray actor (1 shard) | sessions | callers | turns/s | begin+end p50 / p99 | shard CPU a turn | turns per shard CPU-second |",
+            "| through the Ray actor (1 shard) | sessions | callers | turns/s | begin+end p50 / p99 "
+            "| shard CPU a turn | turns per shard CPU-second |",
             "|---|---:|---:|---:|---:|---:|---:|",
-            f"| `HandleStoreActor` | {actor['sessions']:,} | {actor['callers']} | {actor['turns_per_s']:,.0f} | {p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms "
+            f"| `HandleStoreActor` | {actor['sessions']:,} | {actor['callers']} "
+            f"| {actor['turns_per_s']:,.0f} "
+            f"| {p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms "
             f"| {actor['shard_cpu_us_per_turn']:.0f} us | {actor['turns_per_shard_cpu_s']:,.0f} |",
         ]
     return "\n".join(lines)

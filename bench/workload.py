@@ -87,7 +87,8 @@ def tool_output(rng: random.Random, tokens: int, counter: TokenCounter) -> str:
         if r.random() < 0.5:
             key, word = r.choice(_KEYS), r.choice(_WORDS)
             return f'{{"{key}": "{word}", "{r.choice(_KEYS)}": {r.randint(0, 9999)}}}'
-        return f"{r.choice(('info', 'warning', 'error'))}: {r.choice(_WORDS)} {r.choice(_WORDS)} {r.randint(0, 999)}"
+        level = r.choice(("info", "warning", "error"))
+        return f"{level}: {r.choice(_WORDS)} {r.choice(_WORDS)} {r.randint(0, 999)}"
 
     return _fit(_pool(rng, tokens, counter, record), tokens, counter)
 

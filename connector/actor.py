@@ -178,7 +178,7 @@ class SessionStore:
         # Beside this replica (soft): the shards follow its placement (`sessions.store_resources`).
         near = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self._shards = [
-            HandleStoreActor.options(scheduling_strategy=near).remote(**settings.store_kwargs())
+            HandleStoreActor.options(scheduling_strategy=near).remote(**settings.store_kwargs())  # type: ignore[attr-defined]
             for _ in range(settings.shards)
         ]
 
@@ -299,7 +299,7 @@ class StoreClient:
         as that engine's budget when it has none (it restarted, or never heard of it)."""
         self._recent.pop(claim.session_id, None)
         # A turn that extends the conversation it claimed travels as its tail.
-        sent = conversation
+        sent: Conversation | ConversationTail | None = conversation
         if conversation is not None and claim.conversation is not None:
             sent = ConversationTail.of(conversation, claim.conversation) or conversation
         actors = await self._shards()
@@ -389,7 +389,7 @@ class _ShardQueue:
         except Exception as exc:  # never leave a caller waiting
             unavailable = StoreUnavailable(f"store batch failed: {exc!r}")
             results = [(False, unavailable)] * len(batch)
-        for (_, _, future), (ok, value) in zip(batch, results):
+        for (_, _, future), (ok, value) in zip(batch, results, strict=False):
             if future.done():  # its caller went away
                 continue
             if ok:

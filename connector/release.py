@@ -87,7 +87,7 @@ def check_support() -> None:
 # -- scheduler side -------------------------------------------------------------------
 
 
-def track_local_decode_pins(scheduler_class: type | None = None) -> None:
+def track_local_decode_pins(scheduler_class: type[Any] | None = None) -> None:
     """Make the NixlConnector scheduler (`scheduler_class`, default vLLM's pull scheduler)
     put a bidirectional decode request whose params name no transfer in the batch its
     worker tracks, as vLLM does for requests that read remote KV: once it finishes, its
@@ -96,10 +96,11 @@ def track_local_decode_pins(scheduler_class: type | None = None) -> None:
     if scheduler_class is None:
         try:
             from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-                NixlPullConnectorScheduler as scheduler_class,
+                NixlPullConnectorScheduler,
             )
         except ImportError as exc:
             raise Unsupported(f"no NIXL pull scheduler ({exc})") from exc
+        scheduler_class = NixlPullConnectorScheduler
     require(scheduler_class, "update_state_after_alloc", "request_finished")
     require_set_in_init(scheduler_class, "_reqs_in_batch", "is_bidirectional_kv_xfer_enabled")
     original = scheduler_class.update_state_after_alloc
@@ -113,7 +114,7 @@ def track_local_decode_pins(scheduler_class: type | None = None) -> None:
         if local and self.is_bidirectional_kv_xfer_enabled:
             self._reqs_in_batch.add(request.request_id)
 
-    update_state_after_alloc._kvturn_tracks_local = True
+    update_state_after_alloc._kvturn_tracks_local = True  # type: ignore[attr-defined]
     scheduler_class.update_state_after_alloc = update_state_after_alloc
 
 

@@ -113,6 +113,17 @@ class Conversation:
 
     __slots__ = ("session_id", "prompt_len", "text", "handle", "decode_replica", "_ids", "_tuple")
 
+    # Set once, in `__init__` (through `object.__setattr__`: the instance is immutable).
+    session_id: str
+    prompt_len: int
+    text: str | None
+    handle: KVHandle | None
+    decode_replica: str | None
+    # The ids in one form or both: `_ids` compact, `_tuple` as read; whichever is missing
+    # is built on first use (never both None).
+    _ids: array | None
+    _tuple: tuple[int, ...] | None
+
     def __init__(
         self,
         session_id: str,
@@ -135,19 +146,25 @@ class Conversation:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        if self._tuple is None:
-            object.__setattr__(self, "_tuple", tuple(self._ids))
-        return self._tuple
+        ids = self._tuple
+        if ids is None:
+            assert self._ids is not None
+            ids = tuple(self._ids)
+            object.__setattr__(self, "_tuple", ids)
+        return ids
 
     @property
     def compact_ids(self) -> array:
-        if self._ids is None:
-            object.__setattr__(self, "_ids", array("i", self._tuple))
-        return self._ids
+        ids = self._ids
+        if ids is None:
+            assert self._tuple is not None
+            ids = array("i", self._tuple)
+            object.__setattr__(self, "_ids", ids)
+        return ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self._ids) if self._ids is not None else len(self._tuple)
+        return len(self._ids) if self._ids is not None else len(self.token_ids)
 
     def __setattr__(self, name, value):
         raise AttributeError("Conversation is immutable")
@@ -211,7 +228,7 @@ class ConversationTail:
         if len(ids) < n or ids[:n] != base.compact_ids:
             return None
         text = None
-        if conversation.text is not None:
+        if conversation.text is not None and base.text is not None:  # both or neither (above)
             if not conversation.text.startswith(base.text):
                 return None
             text = conversation.text[len(base.text) :]
@@ -244,7 +261,7 @@ class ConversationTail:
         not what this tail was cut from."""
         if len(base_ids) != self.base_tokens or (base_text is None) != (self.text is None):
             return None
-        text = base_text + self.text if base_text is not None else None
+        text = base_text + self.text if base_text is not None and self.text is not None else None
         return Conversation(
             self.session_id, base_ids + self.ids, self.prompt_len, text, self.handle, self.decode_replica
         )
@@ -363,6 +380,24 @@ class _Record:
         "nbytes",
     )
 
+    # All set by `HandleStore._record`.
+    session_id: str
+    tokens: array
+    prompt_len: int
+    text: str | None
+    handle: KVHandle | None
+    decode_replica: str | None
+    state: HandleState
+    stored_at: float
+    expires_at: float
+    token_keys: tuple[int, ...]
+    """Index keys: the chain hashes where the prompt ends and where the tokens end."""
+    text_key: int | None
+    chain: tuple[int, int]
+    """Full blocks of `tokens`, and the chain hash of them."""
+    text_chain: tuple[int, int]
+    nbytes: int
+
     def conversation(self) -> Conversation:
         return Conversation(
             self.session_id, self.tokens, self.prompt_len, self.text, self.handle, self.decode_replica
@@ -452,10 +487,11 @@ class _PinLedger:
 
     def sweep(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
-            freed_at, *key = heapq.heappop(self._deadlines)
-            entry = self._outbox.get(tuple(key))
+            freed_at, engine_id, request_id = heapq.heappop(self._deadlines)
+            key = (engine_id, request_id)
+            entry = self._outbox.get(key)
             if entry is not None and entry[1] == freed_at:
-                del self._outbox[tuple(key)]
+                del self._outbox[key]
                 self.unread[entry[0].engine_id] -= entry[0].num_blocks
 
     def forget_engine(self, engine_id: str) -> None:
@@ -813,13 +849,14 @@ class HandleStore:
             prev,
         )
 
-        def at(blocks: int) -> int | None:
-            return None if blocks == 0 else prev if blocks == start else hashes[blocks - start - 1]
+        def at(blocks: int) -> int:
+            """Chain hash of the first `blocks` blocks (0 for none)."""
+            return 0 if blocks == 0 else prev if blocks == start else hashes[blocks - start - 1]
 
         # A prompt shorter than one block is not indexed at all.
         keys = (at(prompt_blocks), at(all_blocks)) if prompt_blocks else ()
         record.token_keys = tuple(dict.fromkeys(keys))
-        record.chain = (all_blocks, at(all_blocks) or 0)
+        record.chain = (all_blocks, at(all_blocks))
         record.text_key, record.text_chain = None, (0, 0)
         if text is not None:
             width = self._text_block
@@ -898,12 +935,14 @@ class HandleStore:
         if state not in _TRANSITIONS.get(record.state, ()):
             raise AssertionError(f"handle of {record.session_id}: {record.state.value} -> {state.value}")
         if record.state is HandleState.STORED:
+            handle = record.handle
+            assert handle is not None  # only records with a handle change state
             self._expiring.pop(record.session_id, None)
-            stored = self._stored_on[record.handle.engine_id]
+            stored = self._stored_on[handle.engine_id]
             del stored[record.session_id]
             if not stored:
-                del self._stored_on[record.handle.engine_id]
-            self._shares.unstored(record.handle.engine_id, tenant_of(record.session_id), record.session_id)
+                del self._stored_on[handle.engine_id]
+            self._shares.unstored(handle.engine_id, tenant_of(record.session_id), record.session_id)
         if self._records.get(record.session_id) is record:
             self._states[record.state] -= 1
             self._states[state] += 1
@@ -912,9 +951,11 @@ class HandleStore:
     def _leave(self, record: _Record, state: HandleState) -> None:
         """A STORED handle leaves without being claimed."""
         self._transition(record, state)
+        handle = record.handle
+        assert handle is not None  # only records with a handle leave
         self.counts[state.value] += 1
-        self._pins.let_go(record.handle, state, record.stored_at, record.decode_replica, self._clock())
-        self._shares.let_go(record.handle.engine_id, tenant_of(record.session_id), record.handle.num_blocks)
+        self._pins.let_go(handle, state, record.stored_at, record.decode_replica, self._clock())
+        self._shares.let_go(handle.engine_id, tenant_of(record.session_id), handle.num_blocks)
 
     def _settle(self, lease: _Lease, state: HandleState, now: float) -> None:
         """A claimed handle's lease ends: read, unused, failed (counted by state), or
@@ -928,7 +969,9 @@ class HandleStore:
         if record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED:
             self._transition(record, state)
 
-    def _release_new(self, conversation: Conversation | None, reason: HandleState, now: float) -> None:
+    def _release_new(
+        self, conversation: Conversation | ConversationTail | None, reason: HandleState, now: float
+    ) -> None:
         if conversation is not None and conversation.handle is not None:
             self._pins.unread_handle(conversation.handle, reason, now, conversation.decode_replica, now)
 

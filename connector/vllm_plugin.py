@@ -69,6 +69,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 ENV_IDLE_POLL_MS = "KVTURN_IDLE_POLL_MS"
 ENV_KEEP_CPU_AFFINITY = "KVTURN_KEEP_CPU_AFFINITY"
@@ -194,9 +195,10 @@ def patch_nixl_progress_delay(delay_us: int, api=None) -> None:
     `nixl._api` resolves to)."""
     if api is None:
         try:
-            from nixl import _api as api
+            from nixl import _api
         except ImportError:  # no NIXL here: nothing to patch
             return
+        api = _api
     require(api, "nixlBind")
     bind = api.nixlBind
     if isinstance(bind, _Bindings):
@@ -227,10 +229,12 @@ class _Bindings:
         return getattr(self._inner, name)
 
 
-def patch_engine_core(interval_s: float, engine_core_class: type | None = None) -> None:
+def patch_engine_core(interval_s: float, engine_core_class: type[Any] | None = None) -> None:
     """Patch `EngineCoreProc` (or the given class with the same step hook) in this process."""
     if engine_core_class is None:
-        from vllm.v1.engine.core import EngineCoreProc as engine_core_class
+        from vllm.v1.engine.core import EngineCoreProc
+
+        engine_core_class = EngineCoreProc
 
     require(engine_core_class, "_process_engine_step", "_handle_client_request")
     step = engine_core_class._process_engine_step
@@ -241,20 +245,22 @@ def patch_engine_core(interval_s: float, engine_core_class: type | None = None) 
     def _process_engine_step(self) -> bool:
         model_executed = step(self)
         if not model_executed and only_delayed_work(self.scheduler):
-            wait_for_request(self, _process_engine_step._kvturn_idle_poll)
+            wait_for_request(self, _process_engine_step._kvturn_idle_poll)  # type: ignore[attr-defined]
         return model_executed
 
-    _process_engine_step._kvturn_idle_poll = interval_s
+    _process_engine_step._kvturn_idle_poll = interval_s  # type: ignore[attr-defined]
     engine_core_class._process_engine_step = _process_engine_step
 
 
-def patch_message_queue_spin(spin_s: float, spin_condition_class: type | None = None) -> None:
+def patch_message_queue_spin(spin_s: float, spin_condition_class: type[Any] | None = None) -> None:
     """Make the readers of vLLM's shared-memory message queues in this process (the engine
     core reading its workers' outputs, a worker reading the next step) spin at most `spin_s`
     after a message before they sleep until the writer's notification. Takes effect at a
     reader's next wait, for queues created before the call too."""
     if spin_condition_class is None:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition as spin_condition_class
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        spin_condition_class = SpinCondition
 
     require(spin_condition_class, "wait")
     require_set_in_init(spin_condition_class, "busy_loop_s", "last_read")
@@ -264,8 +270,8 @@ def patch_message_queue_spin(spin_s: float, spin_condition_class: type | None = 
         return
 
     def bounded_wait(self, timeout_ms: int | None = None) -> None:
-        if self.busy_loop_s > bounded_wait._kvturn_spin_s:
-            self.busy_loop_s = bounded_wait._kvturn_spin_s
+        if self.busy_loop_s > bounded_wait._kvturn_spin_s:  # type: ignore[attr-defined]
+            self.busy_loop_s = bounded_wait._kvturn_spin_s  # type: ignore[attr-defined]
         # A notification can be lost (measured: ~1% of steps; vLLM's reader then finds the
         # message at its next recheck, 5 s later). A sleeping reader rechecks the queue
         # after an eighth of the time it has waited so far (1 ms to QUEUE_RECHECK_MAX_MS):
@@ -276,7 +282,7 @@ def patch_message_queue_spin(spin_s: float, spin_condition_class: type | None = 
             timeout_ms = recheck_ms
         return wait(self, timeout_ms)
 
-    bounded_wait._kvturn_spin_s = spin_s
+    bounded_wait._kvturn_spin_s = spin_s  # type: ignore[attr-defined]
     spin_condition_class.wait = bounded_wait
 
 
@@ -286,9 +292,10 @@ def keep_cpu_affinity(module=None) -> None:
     `os.sched_setaffinity` are logged and skipped. Threads it starts inherit the same cores."""
     if module is None:
         try:
-            from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as module
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
         except ImportError as e:
             raise Unsupported(f"no NIXL worker module ({e})") from e
+        module = base_worker
     require(module, "os")
     if not isinstance(module.os, _OsKeepingAffinity):
         module.os = _OsKeepingAffinity(module.os)
@@ -407,13 +414,15 @@ def kill_tree() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install_worker_info(worker_class: type | None = None) -> None:
+def install_worker_info(worker_class: type[Any] | None = None) -> None:
     """Give vLLM's workers a method that reports their intra-op (OpenMP) thread count and
     the cores the thread that runs the model may use, for
     `AsyncLLM.collective_rpc(WORKER_CPU)`: how the servers read back the engine's sizing
     (a function sent to the worker would need vLLM's insecure pickle fallback)."""
     if worker_class is None:
-        from vllm.v1.worker.worker_base import WorkerBase as worker_class
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        worker_class = WorkerBase
 
     setattr(worker_class, WORKER_CPU, _cpu_in_use)
 

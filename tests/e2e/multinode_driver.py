@@ -40,7 +40,7 @@ def main() -> None:
         {"role": "user", "content": "Across two nodes, please. " * 3},
     ]
     turns = []
-    for turn in range(2):
+    for _turn in range(2):
         before = prefill.stats.remote(ReplicaQuery()).result()
         body = {
             "model": cfg.model_name,

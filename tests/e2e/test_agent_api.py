@@ -170,6 +170,7 @@ def test_sdk_agent_loop_tool_calls_through_pd_reuse_history(apps, stream):
         dict(tool_choice="required", max_tokens=160, parallel_tool_calls=False),
     ]
     reuse, bias = [], _whitespace_bias()
+    prev_prompt = None  # prompt tokens of the previous turn (set at the end of each turn)
     for i, choice in enumerate(turns):
         if choice["tool_choice"] != "auto":
             choice = {**choice, "logit_bias": bias}
@@ -305,7 +306,7 @@ def test_logprobs_openai_shaped_and_equal_to_single_engine(apps):
         assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-6)  # greedy
     ref = _ref_logprobs(apps, out["prompt_token_ids"], 12, 3)
     assert ref["token_ids"] == choice["token_ids"]
-    for mine, theirs in zip(content, ref["logprobs"]["token_logprobs"]):
+    for mine, theirs in zip(content, ref["logprobs"]["token_logprobs"], strict=False):
         assert abs(mine["logprob"] - theirs) < 1e-3
     # Streaming: the same logprobs, chunk by chunk.
     streamed = []
@@ -316,7 +317,7 @@ def test_logprobs_openai_shaped_and_equal_to_single_engine(apps):
                 for c in json.loads(line[6:])["choices"]:
                     streamed.extend((c.get("logprobs") or {}).get("content") or [])
     assert [e["token"] for e in streamed] == [e["token"] for e in content]
-    assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, content))
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, content, strict=False))
     # Completions: the legacy shape.
     r = httpx.post(
         url + "/v1/completions",

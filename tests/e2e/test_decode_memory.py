@@ -36,7 +36,10 @@ HANDLE_TTL_S = 25.0
 PIN_MARGIN_S = 20.0  # a pull must be expected to end 20 s before the pin does: 10 s windows
 PINNED_FRACTION = 0.5
 ANSWER_TOKENS = 16
-WORDS = "tool result weather city temperature forecast wind rain sunny cloudy humidity pressure north south east west".split()
+WORDS = (
+    "tool result weather city temperature forecast wind rain sunny cloudy humidity pressure "
+    "north south east west"
+).split()
 
 
 def mem_config(**overrides):

@@ -102,7 +102,7 @@ def test_another_tenant_never_hits_a_tenants_cached_prompt(ten):
     a2 = ok(post(url, KEY_A, follow, session="deal"))
     assert cached(a2) >= len(a1["prompt_token_ids"]) - ten["cfg"].block_size  # A reuses its own history
     # Other tenants send A's exact conversation: under A's session id, a new one, none.
-    for key, session in zip(PROBES, ("deal", "probe-new", None)):
+    for key, session in zip(PROBES, ("deal", "probe-new", None), strict=True):
         b = ok(post(url, key, follow, session=session))
         assert cached(b) == 0, (session, b["usage"])
         assert b["kvturn"]["reused_from_decode"] == 0 and b["kvturn"]["miss_reason"] in (
