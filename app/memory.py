@@ -108,7 +108,9 @@ class DecodeMemory:
         if not hasattr(self._clients, "decode_kv_blocks"):
             return None
         try:
-            blocks = await asyncio.wait_for(self._clients.decode_kv_blocks(conversation.decode_replica), REPLICA_CALL_TIMEOUT_S)
+            blocks = await asyncio.wait_for(
+                self._clients.decode_kv_blocks(conversation.decode_replica), REPLICA_CALL_TIMEOUT_S
+            )
         except Exception:
             logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
             self.counts["capacity_unknown"] += 1
@@ -135,7 +137,9 @@ class DecodeMemory:
             self._blocks.pop(self._engine_of.pop(gone), None)
         for replica in sorted(set(replicas) - set(self._engine_of)):
             try:
-                blocks = await asyncio.wait_for(self._clients.decode_kv_blocks(replica), REPLICA_CALL_TIMEOUT_S)
+                blocks = await asyncio.wait_for(
+                    self._clients.decode_kv_blocks(replica), REPLICA_CALL_TIMEOUT_S
+                )
             except Exception as exc:
                 logger.warning("could not read the KV blocks of decode replica %s: %r", replica, exc)
                 continue

@@ -207,7 +207,11 @@ def test_a_new_replica_count_changes_only_that_deployments_options(tmp_path):
 
     base = {"model": str(tmp_path), "decode": {"num_replicas": 2}, "prefill": {"num_replicas": 1}}
     before = _deployments(build(AppConfig.model_validate(base)))
-    after = _deployments(build(AppConfig.model_validate({**base, "decode": {"num_replicas": 1}, "prefill": {"num_replicas": 3}})))
+    after = _deployments(
+        build(
+            AppConfig.model_validate({**base, "decode": {"num_replicas": 1}, "prefill": {"num_replicas": 3}})
+        )
+    )
     assert set(before) == set(after) == {"Ingress", "DecodeServer", "PrefillServer", "SessionStore"}
     assert (before["DecodeServer"][0], after["DecodeServer"][0]) == (2, 1)
     assert (before["PrefillServer"][0], after["PrefillServer"][0]) == (1, 3)
