@@ -20,9 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-# Bumped when the set of keys we read or write changes.
-WIRE_VERSION = 1
-
 _REQUIRED = (
     "remote_engine_id",
     "remote_request_id",

@@ -26,10 +26,14 @@ only when the engine was started with `ENV_RELEASE=1` by our servers):
 * the NixlConnector scheduler's `update_state_after_alloc`, wrapped by
   `track_local_decode_pins`.
 
-Both depend on private vLLM 0.32 internals. `check_support()` checks them, and
-`register()` installs nothing (with the plugin's warning for a patch whose target changed,
-`connector.vllm_plugin.Unsupported`) when they are missing, so a caller gets a clear
-"method not implemented" instead of a wrong release.
+All three depend on private vLLM 0.32 internals: the methods they call and the state they
+read and write (the worker's `_reqs_to_send`, the connector's `connector_worker` or a
+MultiConnector's `_connectors`, the engine core's scheduler, its `requests` and its KV
+cache manager's block pool). `check_support()` checks each of them on vLLM's own classes
+with `connector.patching`, and `track_local_decode_pins` checks what it wraps. When
+something is missing, `register()` installs nothing of that patch (with the warning of
+`connector.patching.apply_patch`), so a caller gets a clear "method not implemented"
+instead of a wrong release.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from connector.vllm_plugin import Unsupported, apply_patch, require, require_set_in_init
+from connector.patching import Unsupported, apply_patch, require, require_set_in_init
 
 ENV_RELEASE = "KVTURN_RELEASE"
 WORKER_EXPIRE = "kvturn_expire_sends"
@@ -70,18 +74,37 @@ def install(worker_class: type, engine_core_class: type) -> None:
 
 
 def check_support() -> None:
-    """Raise `Unsupported` naming what the installed vLLM lacks for early release."""
+    """Raise `Unsupported` naming what the installed vLLM lacks for early release and
+    block counts: what `expire_sends`, `nixl_worker_of` and `block_counts` read, write
+    or call, on the classes that vLLM builds those objects from."""
     try:
         from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
         from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.request import Request
     except ImportError as exc:
         raise Unsupported(f"vLLM module missing: {exc}") from exc
+    # Worker side: the connector group, the NIXL worker inside it, and its send pins,
+    # whose expiry vLLM's own reaping acts on.
     require(kv_transfer_state, "get_kv_transfer_group", "has_kv_transfer_group")
+    require_set_in_init(NixlConnector, "connector_worker")
+    require_set_in_init(MultiConnector, "_connectors")
+    require_set_in_init(NixlBaseConnectorWorker, "_reqs_to_send")
     require(NixlBaseConnectorWorker, "_reap_expired_send_leases")
-    require(BlockPool, "get_num_free_blocks")
+    # Engine-core side: the scheduler's requests and its block pool.
+    require_set_in_init(EngineCore, "scheduler")
+    require_set_in_init(Scheduler, "kv_cache_manager", "requests")
     require(Scheduler, "_update_from_kv_xfer_finished")
+    require(Request, "is_finished")
+    require_set_in_init(KVCacheManager, "block_pool")
+    require(KVCacheManager, "get_block_ids")
+    require_set_in_init(BlockPool, "num_gpu_blocks")
+    require(BlockPool, "get_num_free_blocks")
 
 
 # -- scheduler side -------------------------------------------------------------------

@@ -4,7 +4,8 @@ by our servers, which set the variables below in the engine's environment. Three
 CPU burnt by busy loops (on a 2-core host the first two halved P/D TTFT), one for cores the
 NixlConnector takes from the model, and a guard that ends the engine's processes with their
 replica. The fixes replace private vLLM and NIXL code: each checks what it replaces before
-patching, and on a vLLM where that changed it is skipped with a warning (`register`).
+patching, and on a vLLM where that changed it is skipped with a warning
+(`connector.patching`). `register` also installs early release (`connector.release`).
 
 1. NIXL's progress thread (`KVTURN_NIXL_PROGRESS_DELAY_US`). NIXL's Python agent
 creates its UCX backend with a progress-thread poll timeout of 0: the thread that
@@ -71,6 +72,9 @@ import threading
 import time
 from typing import Any
 
+from connector import release
+from connector.patching import Unsupported, apply_patch, require, require_set_in_init
+
 ENV_IDLE_POLL_MS = "KVTURN_IDLE_POLL_MS"
 ENV_KEEP_CPU_AFFINITY = "KVTURN_KEEP_CPU_AFFINITY"
 ENV_NIXL_PROGRESS_DELAY_US = "KVTURN_NIXL_PROGRESS_DELAY_US"
@@ -83,16 +87,6 @@ QUEUE_RECHECK_MAX_MS = 50
 """The longest a step-queue reader that sleeps instead of spinning goes without rechecking."""
 
 logger = logging.getLogger(__name__)
-
-
-SUPPORTED_VLLM = "0.32."
-"""The vLLM series whose private code the patches below were written against. Each patch
-checks the attributes it replaces or calls before it patches: on another vLLM one whose
-target changed is skipped with a warning (`Unsupported`), and the engine runs without it."""
-
-
-class Unsupported(RuntimeError):
-    """The installed vLLM or NIXL lacks what a patch replaces or calls."""
 
 
 def register() -> None:
@@ -119,62 +113,7 @@ def register() -> None:
     if os.environ.get(ENV_WORKER_INFO) == "1":
         apply_patch("the workers' CPU report", install_worker_info)
     # Early release of decode-pinned blocks and block counts (connector.release).
-    from connector import release
-
     release.register()
-
-
-def apply_patch(what: str, patch, *args) -> bool:
-    """Run one patch (here and in `connector.release`); on `Unsupported`, log what is
-    skipped and why, and go on."""
-    try:
-        patch(*args)
-    except Unsupported as e:
-        logger.warning(
-            "kvturn: %s is off in this engine: %s (vLLM %s; written for %sx)",
-            what,
-            e,
-            vllm_version(),
-            SUPPORTED_VLLM,
-        )
-        return False
-    return True
-
-
-def vllm_version() -> str:
-    try:
-        from vllm import __version__
-    except ImportError:
-        return "not installed"
-    return __version__
-
-
-def require(obj, *names: str) -> None:
-    """Raise `Unsupported` naming those of `names` that `obj` lacks."""
-    missing = [name for name in names if not hasattr(obj, name)]
-    if missing:
-        raise Unsupported(
-            f"{getattr(obj, '__name__', type(obj).__name__)} has no {', '.join(map(repr, missing))}"
-        )
-
-
-def require_set_in_init(cls: type, *names: str) -> None:
-    """Raise `Unsupported` unless the `__init__` of `cls` or of one of its bases sets each
-    of the instance attributes `names` (read from their source; a class without Python
-    source is taken as it is)."""
-    import inspect
-
-    try:
-        source = "".join(
-            inspect.getsource(k.__dict__["__init__"])
-            for k in cls.__mro__
-            if "__init__" in k.__dict__ and k is not object
-        )
-    except (OSError, TypeError):
-        return
-    for name in names:
-        if f"self.{name}" not in source:
-            raise Unsupported(f"{cls.__name__}.__init__ no longer sets {name!r}")
 
 
 def _number(name: str) -> float | None:

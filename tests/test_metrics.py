@@ -243,7 +243,53 @@ def test_engine_metrics_blocks_and_transfers():
 
 
 def test_real_metrics_without_ray_are_noops():
-    metrics.TurnMetrics("oneway").record_turn(result(), None)
-    metrics.EngineMetrics("prefill", "p").record_step(
-        kv_cache_usage=0.5, num_blocks=10, running=1, transfer_stats={}
-    )
+    """Every kind of record (counter, gauge, histogram) on the real Ray metric objects,
+    outside Ray: nothing raises or warns (an invalid name or tag would), and nothing
+    starts or connects to Ray: no Ray session, no new thread, no new process."""
+    import threading
+    import warnings
+
+    import psutil
+    import ray
+
+    assert not ray.is_initialized()
+    me = psutil.Process()
+    threads = {t.ident for t in threading.enumerate()}
+    children = {p.pid for p in me.children(recursive=True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        turns = metrics.TurnMetrics("oneway")
+        engine = metrics.EngineMetrics("prefill", "p")
+        assert type(turns.turns).__module__ == type(engine.running).__module__ == "ray.util.metrics"
+        turns.record_turn(
+            result(
+                miss_reason="no_handle", timings={"first_token_s": 0.42, "store_s": 0.01, "session_s": 0.02}
+            ),
+            3,
+            tenant="t1",
+        )
+        turns.record_turn(result(), None)
+        turns.sync_events({"pull_timeout": 2, "spliced": 1})
+        turns.sync_refusals({("t1", "rpm"): 1})
+        turns.store.update(
+            {
+                "handles": {"idle": 2},
+                "sessions": 1,
+                "pinned_blocks": {"d": 4},
+                "tenants": {"t1:": {"blocks": 4}},
+            }
+        )
+        engine.record_step(
+            kv_cache_usage=0.5,
+            num_blocks=10,
+            running=1,
+            transfer_stats={
+                "transfer_duration": [0.1],
+                "bytes_transferred": [4096],
+                "num_failed_transfers": [1],
+            },
+        )
+        engine.record_step(kv_cache_usage=0.0, num_blocks=None, running=0, transfer_stats=None)
+    assert not ray.is_initialized()
+    assert {t.ident for t in threading.enumerate()} <= threads
+    assert {p.pid for p in me.children(recursive=True)} <= children

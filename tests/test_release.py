@@ -17,6 +17,7 @@ from app.config import AppConfig
 from app.memory import DecodeMemory
 from connector import release
 from connector.handle import KVHandle, Location
+from connector.patching import Unsupported
 from connector.store import Conversation, TurnOutcome
 
 # -- worker side ------------------------------------------------------------------------
@@ -24,6 +25,47 @@ from connector.store import Conversation, TurnOutcome
 
 def test_installed_vllm_has_what_release_needs():
     release.check_support()  # raises Unsupported naming what is missing
+
+
+@pytest.mark.parametrize(
+    "module, cls, attribute",
+    [
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",
+            "NixlBaseConnectorWorker",
+            "_reqs_to_send",
+        ),
+        ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector", "NixlConnector", "connector_worker"),
+        ("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiConnector", "_connectors"),
+        ("vllm.v1.core.sched.scheduler", "Scheduler", "kv_cache_manager"),
+        ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "block_pool"),
+        ("vllm.v1.core.block_pool", "BlockPool", "num_gpu_blocks"),
+    ],
+)
+def test_support_check_fails_when_vllm_no_longer_sets_the_state_release_uses(
+    monkeypatch, module, cls, attribute
+):
+    """`expire_sends`, `nixl_worker_of` and `block_counts` read and write state that vLLM's
+    constructors set: a vLLM whose constructors (the class's and its bases') stop setting
+    it is refused, by name."""
+    import importlib
+
+    def __init__(self, *args, **kwargs):
+        self.something_else = None
+
+    for klass in getattr(importlib.import_module(module), cls).__mro__:
+        if "__init__" in klass.__dict__ and klass is not object:
+            monkeypatch.setattr(klass, "__init__", __init__)
+    with pytest.raises(Unsupported, match=repr(attribute)):
+        release.check_support()
+
+
+def test_support_check_fails_when_vllm_lacks_a_method_release_calls(monkeypatch):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.delattr(KVCacheManager, "get_block_ids")
+    with pytest.raises(Unsupported, match="get_block_ids"):
+        release.check_support()
 
 
 def _real_pull_scheduler(bidirectional: bool = True):

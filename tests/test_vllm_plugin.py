@@ -6,11 +6,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import tomllib
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
-from connector import vllm_plugin
+from connector import patching, vllm_plugin
 
 
 class FakeScheduler:
@@ -48,8 +50,30 @@ def core_class():
 
 
 def test_entry_point_is_registered():
-    names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert names.get("kvturn_idle_poll") == "connector.vllm_plugin:register"
+    """pyproject.toml declares the plugin, and the installed metadata (what vLLM loads)
+    agrees with it: a stale install would list an older name."""
+    target = "connector.vllm_plugin:register"
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared == {"kvturn": target}
+    installed = [e.name for e in entry_points(group="vllm.general_plugins") if e.value == target]
+    assert installed == ["kvturn"], f"installed as {installed}: reinstall the project (pip install -e .)"
+
+
+def test_patch_modules_do_not_import_each_other():
+    """`connector.patching` imports nothing of the project, and `connector.release` does
+    not import the plugin: the plugin imports both."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import connector.patching; "
+        "assert [m for m in sys.modules if m.startswith('connector.')] == ['connector.patching']; "
+        "import connector.release; "
+        "assert 'connector.vllm_plugin' not in sys.modules; "
+        "import connector.vllm_plugin"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_register_is_inert_without_the_variable(monkeypatch):
@@ -122,15 +146,15 @@ def test_register_patches_the_engine_core_when_enabled():
 def test_the_installed_vllm_has_what_every_patch_replaces():
     from vllm import __version__
 
-    assert __version__.startswith(vllm_plugin.SUPPORTED_VLLM)
+    assert __version__.startswith(patching.SUPPORTED_VLLM)
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
     from vllm.v1.engine.core import EngineCoreProc
 
-    vllm_plugin.require(EngineCoreProc, "_process_engine_step", "_handle_client_request")
-    vllm_plugin.require(SpinCondition, "wait")
-    vllm_plugin.require_set_in_init(SpinCondition, "busy_loop_s", "last_read")
-    vllm_plugin.require(base_worker, "os")
+    patching.require(EngineCoreProc, "_process_engine_step", "_handle_client_request")
+    patching.require(SpinCondition, "wait")
+    patching.require_set_in_init(SpinCondition, "busy_loop_s", "last_read")
+    patching.require(base_worker, "os")
     # The NIXL worker still pins the thread that creates it: the affinity patch is needed.
     assert "sched_setaffinity" in __import__("inspect").getsource(
         base_worker.NixlBaseConnectorWorker.__init__
@@ -149,13 +173,13 @@ def test_a_patch_whose_target_changed_is_skipped_with_a_warning(caplog):
         def wait(self, timeout_ms=None):
             pass
 
-    with pytest.raises(vllm_plugin.Unsupported, match="_process_engine_step"):
+    with pytest.raises(patching.Unsupported, match="_process_engine_step"):
         vllm_plugin.patch_engine_core(0.02, OlderCore)
-    with pytest.raises(vllm_plugin.Unsupported, match="busy_loop_s"):
+    with pytest.raises(patching.Unsupported, match="busy_loop_s"):
         vllm_plugin.patch_message_queue_spin(0.0, OlderCondition)
     assert OlderCondition.wait.__name__ == "wait"  # left as it was
-    with caplog.at_level("WARNING", logger=vllm_plugin.__name__):
-        assert not vllm_plugin.apply_patch(
+    with caplog.at_level("WARNING", logger=patching.__name__):
+        assert not patching.apply_patch(
             "the idle engine's wait", vllm_plugin.patch_engine_core, 0.02, OlderCore
         )
     assert (
