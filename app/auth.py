@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from app.config import TenantPolicy
-from app.protocol import APIError
+from app.errors import Unauthorized
 
 TRUSTED_NAMESPACE = "internal:"
 _SALT_LABEL = b"kvturn prefix-cache salt v1"
@@ -149,5 +149,5 @@ def scoped(namespace: str, session_id: str | None) -> str | None:
     return None if session_id is None else namespace + session_id
 
 
-def _unauthorized(message: str) -> APIError:
-    return APIError(401, message, code="invalid_api_key")
+def _unauthorized(message: str) -> Unauthorized:
+    return Unauthorized(message)

@@ -14,8 +14,9 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig, Mode
-from app.ingress import Ingress, store_settings
+from app.ingress import Ingress
 from app.servers import DecodeServer, PrefillServer
 from connector.actor import SessionStore
 

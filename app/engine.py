@@ -1,8 +1,7 @@
-"""The seam between our servers and vLLM.
-
-`Engine` is the narrow interface the engine servers use; `VLLMEngine` implements it with
-vLLM's `AsyncLLM` and the NixlConnector. Unit tests substitute a fake that follows the
-same contract. Only this module imports vLLM.
+"""The vLLM adapter: `VLLMEngine` implements `app.wire.Engine` with vLLM's `AsyncLLM` and
+the NixlConnector, and the engine set-up it needs (side-channel ports, engine arguments,
+the plugin's environment). With `app.protocol` (vLLM's request models) and
+`app.openai_api` (its output parsers), the only modules that import vLLM.
 """
 
 from __future__ import annotations
@@ -11,168 +10,23 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
 from app.registry import NodeRegistry
 from app.sizing import CpuPlan
+from app.wire import (
+    EngineChunk,
+    EngineRequest,
+    KVBlocks,
+    PromptTokenCounts,
+    Sampling,
+    TokenLogprob,
+)
 from connector import release, vllm_plugin
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling options we pass through to the engines."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    params: Any = None
-    """The full vLLM `SamplingParams` of the client's request (vLLM's own
-    `to_sampling_params`: penalties, logit_bias, top_k, min_p, logprobs, structured
-    outputs, ...), or None for the plain options above. It pickles (it crosses Ray).
-    The engine uses a copy with `max_tokens` and the transfer params set from here.
-    Decode gets it; the prefill leg never does (one greedy token, no structured output)."""
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's logprob and the top alternatives at its position, by rank."""
-
-    token_id: int
-    logprob: float
-    token: str
-    top: tuple[tuple[int, float, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One request to one engine. `kv_params` is wire form built by `connector.handle`."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: Sampling
-    kv_params: dict[str, Any] | None = None
-    preferred_replica: str | None = None
-    """Replica the session last used; read by the request router, not by the engine."""
-    avoid_replicas: tuple[str, ...] = ()
-    """Replicas that failed this turn: the router sends it elsewhere while it can."""
-    cache_salt: str | None = None
-    """vLLM's prefix-cache salt: blocks cached under one salt are only hit by requests
-    with the same salt (one per tenant, `app.auth`)."""
-
-
-@dataclass(frozen=True)
-class ReplicaQuery:
-    """Argument of calls aimed at one replica (e.g. `stats`): the request router sends
-    it to `preferred_replica` while that replica lives."""
-
-    preferred_replica: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineChunk:
-    """A delta of an engine's output. The last chunk has `finished` and the totals."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    kv_params: dict[str, Any] | None = None
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    """One entry per token in `token_ids` when the request asked for logprobs."""
-    engine_timings: dict[str, float] | None = None
-    """On the first chunk with a token: the engine's own view of the request, from vLLM's
-    request stats. `queue_s`: waiting to be scheduled; `first_token_s`: arrival at the
-    engine to its first token (for decode in P/D this includes reading the KV it lacks)."""
-
-
-@dataclass
-class PromptTokenCounts:
-    """Cumulative prompt-token accounting of one engine, from its scheduler's stats."""
-
-    computed: int = 0
-    local_cache_hit: int = 0
-    external_kv_transfer: int = 0
-    total: int = 0
-    requests: int = 0
-    kv_cache_usage: float = 0.0
-    """Fraction of KV blocks in use (running requests and blocks pinned for transfer)."""
-    transfers: int = 0
-    """NIXL reads this engine made (prefill pulling history, decode reading prefill)."""
-    transfer_s: float = 0.0
-    transfer_bytes: int = 0
-    failed_transfers: int = 0
-    expired_pins: int = 0
-    """Pins the NixlConnector let go unread: expired or released early (decode), and
-    reads declined because the owner's blocks were (nearly) expired (prefill)."""
-    reads_after_release: int = 0
-    """Reads of this engine's blocks reported after it had freed them: a reader got
-    blocks another request may own. Must stay 0."""
-
-    def add_transfers(self, stats: dict) -> None:
-        """Fold in the NixlConnector's transfer stats of one scheduler step."""
-        durations = stats.get("transfer_duration") or []
-        self.transfers += len(durations)
-        self.transfer_s += float(sum(durations))
-        self.transfer_bytes += int(sum(stats.get("bytes_transferred") or []))
-        self.failed_transfers += len(stats.get("num_failed_transfers") or [])
-        self.expired_pins += len(stats.get("num_kv_expired_reqs") or [])
-        self.reads_after_release += len(stats.get("num_notifications_after_expiry") or [])
-
-    def add(self, computed: int, local: int, external: int, total: int) -> None:
-        self.computed += computed
-        self.local_cache_hit += local
-        self.external_kv_transfer += external
-        self.total += total
-
-
-@dataclass(frozen=True)
-class KVBlocks:
-    """An engine's KV blocks, read from its scheduler's own block pool.
-
-    `total` usable blocks; `free` blocks a new request can get (free or evictable
-    prefix-cache blocks); `pinned` blocks held by finished requests for a transfer (on
-    decode: each conversation's last turn, kept for the next turn's pull);
-    `pinned_requests` how many such requests."""
-
-    total: int
-    free: int
-    pinned: int
-    pinned_requests: int
-
-
-class Engine(Protocol):
-    """What an engine server needs from an inference engine."""
-
-    async def start(self) -> None: ...
-
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    def counts(self) -> PromptTokenCounts: ...
-
-    async def kv_blocks(self) -> KVBlocks | None:
-        """The engine's block counts now; None if it cannot tell."""
-        ...
-
-    async def release(self, request_ids: Sequence[str]) -> list[str]:
-        """Free now the blocks pinned for these finished requests (no reader will come).
-        Returns the ids that were pinned here."""
-        ...
-
-    def shutdown(self) -> None: ...
 
 
 _PORT_REGISTRY = "/tmp/kvturn-side-channel-ports"
@@ -592,13 +446,3 @@ def _logprobs(token_ids, positions, k: int) -> tuple[TokenLogprob, ...]:
             )
         )
     return tuple(out)
-
-
-@dataclass
-class EngineInfo:
-    """What a server tells the ingress about itself."""
-
-    replica_id: str
-    engine_id: str
-    side_channel: tuple[str, int] | None
-    kv_blocks_total: int | None = None

@@ -8,6 +8,8 @@ place (`_error_response`); clients never reach the engines' transfer machinery.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import time
@@ -25,13 +27,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics, openai_api
 from app.auth import ApiKeys, Tenant, scoped
+from app.clients import ServeEngineClients, store_settings
 from app.config import AppConfig
-from app.engine import EngineChunk, EngineRequest, ReplicaQuery, Sampling
-from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.errors import APIError, as_api_error, client_error, error_body
+from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.quotas import Quotas
 from app.routing import LiveReplicas
+from app.tokenizer import HFTokenizer
 from app.turns import Delta, TurnInput, TurnResult, Turns
-from connector.actor import StoreClient, StoreSettings, StoreUnavailable
+from app.wire import ReplicaQuery, Sampling
+from connector.actor import StoreClient, StoreUnavailable
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
@@ -39,7 +44,7 @@ api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serv
 
 def _error_response(exc: BaseException) -> JSONResponse:
     """Every error as an OpenAI-style `{"error": {...}}` body with its status."""
-    status, body = openai_api.error_body(exc)
+    status, body = error_body(exc)
     headers = getattr(exc, "headers", None) if isinstance(exc, (StarletteHTTPException, APIError)) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -50,6 +55,31 @@ api.add_exception_handler(RequestValidationError, lambda request, exc: _error_re
 api.add_exception_handler(StarletteHTTPException, lambda request, exc: _error_response(exc))
 
 
+def _handle_errors(method):
+    """The handle methods' one error path: whatever fails reaches a `DeploymentHandle`
+    caller as the `APIError` an HTTP client would get as a body (status, type, code)."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(*args, **kwargs):
+            try:
+                async for item in method(*args, **kwargs):
+                    yield item
+            except Exception as exc:
+                raise as_api_error(exc) from exc
+
+        return stream
+
+    @functools.wraps(method)
+    async def call(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except Exception as exc:
+            raise as_api_error(exc) from exc
+
+    return call
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """A validated request ready to run: the turn, and how its output is shaped."""
@@ -58,97 +88,6 @@ class _Prepared:
     tenant: Tenant
     parser: Any = None
     """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
-
-
-class _HFTokenizer:
-    def __init__(self, name: str):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(name)
-        self._cached = None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
-
-    def piece(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
-
-    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> str:
-        try:
-            return self._tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(kwargs or {})
-            )
-        except Exception as exc:  # template errors are the client's messages' fault
-            raise APIError(
-                400,
-                f"messages could not be rendered by the chat template: {str(exc)[:300]}",
-                param="messages",
-            ) from exc
-
-    @property
-    def hf(self):
-        """The tokenizer for vLLM's output parsers: vLLM's cached proxy (they read the
-        vocabulary per request)."""
-        if self._cached is None:
-            from vllm.tokenizers.hf import get_cached_tokenizer
-
-            self._cached = get_cached_tokenizer(self._tok)
-        return self._cached
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-
-class ServeEngineClients:
-    """`EngineClients` over Serve deployment handles."""
-
-    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle, decode_live: LiveReplicas):
-        self._prefill = prefill
-        self._decode = decode.options(stream=True)
-        self._decode_calls = decode
-        self._decode_live = decode_live
-
-    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
-        assert self._prefill is not None  # called in P/D modes only, which have prefill
-        return await self._prefill.prefill.remote(request)
-
-    async def decode(self, request: EngineRequest):
-        async for item in self._decode.generate.remote(request):
-            yield item
-
-    def decode_alive(self, replica_id: str) -> bool | None:
-        return self._decode_live.alive(replica_id)
-
-    def decode_replicas(self) -> frozenset[str] | None:
-        return self._decode_live.running()
-
-    async def decode_kv_blocks(self, replica_id: str) -> dict | None:
-        return await self._decode_calls.kv_blocks.remote(ReplicaQuery(replica_id))
-
-    async def release(self, replica_id: str, request_ids) -> list[str]:
-        return await self._decode_calls.release.remote(ReplicaQuery(replica_id), list(request_ids))
-
-
-def store_settings(cfg: AppConfig) -> StoreSettings:
-    """The handle store's settings for a config (the builder binds `SessionStore` with
-    them; the ingress checks the running store has them)."""
-    s = cfg.sessions
-    tenants = ApiKeys.of(cfg.access).tenants()
-    return StoreSettings(
-        handle_ttl_s=s.handle_ttl_s,
-        decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
-        max_sessions=s.max_sessions,
-        max_blocks_per_engine=s.max_pinned_blocks_per_engine,
-        index_block_size=cfg.block_size,
-        pinned_fraction=s.pinned_fraction,
-        shards=s.store_shards,
-        max_store_bytes=s.max_store_bytes,
-        tenant_weights=tuple((t.namespace, t.policy.weight) for t in tenants if t.policy.weight != 1.0),
-        tenant_max_sessions=tuple(
-            (t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions
-        ),
-    )
 
 
 @serve.deployment(name="Ingress")
@@ -171,7 +110,7 @@ class Ingress:
         self._cfg = cfg
         self._prefill = prefill
         self._decode = decode
-        self._tok = _HFTokenizer(cfg.tokenizer or cfg.model)
+        self._tok = HFTokenizer(cfg.tokenizer or cfg.model)
         self._parsers = openai_api.OutputParsers(cfg, self._tok.hf)
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
@@ -288,12 +227,14 @@ class Ingress:
 
     # Handle callers are trusted (`app.auth`); `api_key` makes them that key's tenant.
 
+    @_handle_errors
     async def chat(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
         """Non-streaming chat completion for `DeploymentHandle` callers. Raises APIError."""
         return await self._call(
             ChatCompletionRequest, self._chat_events, "chat.completion", body, session_id, api_key
         )
 
+    @_handle_errors
     async def chat_stream(
         self, body: dict, session_id: str | None = None, api_key: str | None = None
     ) -> AsyncIterator[dict]:
@@ -303,6 +244,7 @@ class Ingress:
         ):
             yield chunk
 
+    @_handle_errors
     async def completions(
         self, body: dict, session_id: str | None = None, api_key: str | None = None
     ) -> dict:
@@ -310,6 +252,7 @@ class Ingress:
             CompletionRequest, self._completion_events, "text_completion", body, session_id, api_key
         )
 
+    @_handle_errors
     async def completions_stream(
         self, body: dict, session_id: str | None = None, api_key: str | None = None
     ) -> AsyncIterator[dict]:
@@ -318,6 +261,7 @@ class Ingress:
         ):
             yield chunk
 
+    @_handle_errors
     async def end_session(self, session_id: str, api_key: str | None = None) -> dict:
         """End a conversation for `DeploymentHandle` callers: the store forgets it and its
         decode engine frees the blocks it pinned for the next turn at once (not at
@@ -367,8 +311,7 @@ class Ingress:
             openai_api.check_json_values(body)
             return model_cls.model_validate(body)
         except Exception as exc:
-            status, error = openai_api.error_body(exc)
-            raise APIError(status, error["error"]["message"], param=error["error"]["param"]) from None
+            raise as_api_error(exc) from None
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
@@ -406,7 +349,7 @@ class Ingress:
         try:
             params = body.to_sampling_params(max_tokens, {})
         except (ValueError, TypeError) as exc:  # vLLM's checks of the client's values
-            raise openai_api.client_error(exc) from exc
+            raise client_error(exc) from exc
         openai_api.check_structured_output(params)
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -621,5 +564,5 @@ class Ingress:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as exc:  # headers are sent: report the error in-stream
-            yield f"data: {json.dumps(openai_api.error_body(exc)[1])}\n\n"
+            yield f"data: {json.dumps(error_body(exc)[1])}\n\n"
         yield "data: [DONE]\n\n"

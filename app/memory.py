@@ -146,6 +146,18 @@ class DecodeMemory:
             if blocks and blocks.get("replica_id", replica) == replica and blocks.get("engine_id"):
                 self._engine_of[replica] = blocks["engine_id"]
                 self._blocks[blocks["engine_id"]] = int(blocks["total"])
+                logger.info(
+                    "decode replica %s runs engine %s (%d KV blocks)",
+                    replica,
+                    blocks["engine_id"],
+                    int(blocks["total"]),
+                )
+            else:
+                logger.info(
+                    "decode replica %s did not answer for itself: %s",
+                    replica,
+                    (blocks or {}).get("replica_id"),
+                )
         told = 0
         for engine_id in {self._engine_of[r] for r in replicas if r in self._engine_of}:
             try:

@@ -7,7 +7,6 @@
   by config with a per-family default, one instance per request.
 * `ChatShaper` / `CompletionShaper`: engine output (text, token ids, logprobs) into
   OpenAI `message` / `delta` / `logprobs` objects, tool calls and reasoning included.
-* `error_body`: every exception as `(status, {"error": {...}})`.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import logging
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
 from app.config import AppConfig
-from app.protocol import APIError, ChatCompletionRequest
+from app.errors import APIError, client_error
+from app.protocol import ChatCompletionRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -131,57 +129,6 @@ def check_structured_output(params) -> None:
         raise
     except (ValueError, TypeError) as exc:
         raise client_error(exc) from exc
-
-
-# -- errors --------------------------------------------------------------------------------
-
-
-def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """Status and OpenAI-style body of any exception (500 for the unexpected)."""
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException
-    from vllm.exceptions import VLLMValidationError
-
-    if isinstance(exc, APIError):
-        return exc.status, exc.body()
-    if isinstance(exc, VLLMValidationError):
-        return _invalid(str(exc).split(" (parameter=")[0], exc.parameter)
-    if isinstance(exc, (RequestValidationError, ValidationError)):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return _invalid("the request body is not valid JSON")
-        cause = (first.get("ctx") or {}).get("error")
-        if isinstance(cause, VLLMValidationError):
-            return error_body(cause)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        param = ".".join(loc) or None
-        return _invalid(f"{param}: {message}" if param else message, param)
-    if isinstance(exc, HTTPException):
-        kind = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            exc.status_code, "invalid_request_error"
-        )
-        return exc.status_code, APIError(exc.status_code, str(exc.detail), type=kind).body()
-    if isinstance(exc, (ValueError, TypeError)) and _from_sampling(exc):
-        return _invalid(str(exc))
-    logger.exception("internal error", exc_info=exc)
-    return 500, APIError(500, "internal server error", type="server_error").body()
-
-
-def _invalid(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    return 400, APIError(400, message, param=param).body()
-
-
-def _from_sampling(exc: BaseException) -> bool:
-    return bool(getattr(exc, "_kvturn_client_error", False))
-
-
-def client_error(exc: BaseException) -> BaseException:
-    """Mark a ValueError/TypeError raised by vLLM while building a request from the
-    client's values (e.g. `SamplingParams` checks): it maps to 400, not 500."""
-    exc._kvturn_client_error = True  # type: ignore[attr-defined]
-    return exc
 
 
 # -- output parsers ------------------------------------------------------------------------

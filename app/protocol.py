@@ -25,6 +25,8 @@ from pydantic import model_validator
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as _VLLMChatRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as _VLLMCompletionRequest
 
+from app.errors import APIError
+
 FORBIDDEN_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {
@@ -34,41 +36,6 @@ UNSUPPORTED = {
     "suffix": "suffix is not supported",
     "continue_final_message": "continue_final_message is not supported",
 }
-
-
-class APIError(Exception):
-    """An error the client caused or must see, as an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        details: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.details = details
-        """Extension facts beside the error (e.g. the decode replica that failed), sent
-        as the body's `kvturn` field."""
-        self.headers = headers
-        """HTTP headers of the answer (e.g. `Retry-After` of a 429)."""
-
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        }
-        if self.details:
-            body["kvturn"] = self.details
-        return body
 
 
 def _refuse_server_fields(data: Any) -> Any:

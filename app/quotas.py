@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from app.auth import Tenant
-from app.protocol import APIError
+from app.errors import RateLimited
 
 WINDOW_S = 60.0
 
@@ -79,13 +79,7 @@ class Quotas:
     def _refuse(self, key: str, quota: str, retry_after_s: float, what: str) -> None:
         self.refused[(key, quota)] += 1
         seconds = max(1, math.ceil(retry_after_s))
-        raise APIError(
-            429,
-            f"Rate limit reached for this API key: {what}. Try again in {seconds} s.",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(seconds)},
-        )
+        raise RateLimited(f"Rate limit reached for this API key: {what}. Try again in {seconds} s.", seconds)
 
     def in_flight(self) -> dict[str, int]:
         return dict(self._in_flight)

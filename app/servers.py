@@ -24,7 +24,8 @@ import ray
 from ray import serve
 
 from app.config import AppConfig, EngineRoleConfig
-from app.engine import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery, VLLMEngine
+from app.engine import VLLMEngine
+from app.wire import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery
 from connector import vllm_plugin
 
 logger = logging.getLogger("ray.serve")
@@ -53,9 +54,9 @@ class EngineServer:
     def info(self) -> EngineInfo:
         return EngineInfo(
             replica_id=self.replica_id,
-            engine_id=getattr(self._engine, "engine_id", self.replica_id),
-            side_channel=getattr(self._engine, "side_channel", None),
-            kv_blocks_total=getattr(self._engine, "kv_blocks_total", None),
+            engine_id=self._engine.engine_id,
+            side_channel=self._engine.side_channel,
+            kv_blocks_total=self._engine.kv_blocks_total,
         )
 
     def stats(self, query: ReplicaQuery | None = None) -> dict:
@@ -85,14 +86,13 @@ class EngineServer:
         }
 
     def _cpu_stats(self) -> dict:
-        plan = getattr(self._engine, "cpu_plan", None)
+        plan = self._engine.cpu_plan
         return {"cpu_threads": plan.threads, "cpu_binding": plan.bind} if plan else {}
 
     async def cpu_in_use(self, query: ReplicaQuery | None = None) -> dict | None:
         """OpenMP threads the engine's worker really runs and the cores its model thread may
         use, read back from the worker (`VLLMEngine.cpu_in_use`)."""
-        read = getattr(self._engine, "cpu_in_use", None)
-        return await read() if read else None
+        return await self._engine.cpu_in_use()
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         finished = False
@@ -107,9 +107,7 @@ class EngineServer:
     async def check_health(self) -> None:
         """Serve's health check: raises once the engine is dead (its core process exited
         or its output loop failed), so Serve stops routing here and replaces the replica."""
-        check = getattr(self._engine, "check_health", None)
-        if check is not None:
-            await check()
+        await self._engine.check_health()
 
     def __del__(self):
         """Serve's graceful shutdown (and garbage collection) end the engine's processes."""

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from app.config import AppConfig, Mode
-from app.engine import EngineChunk, EngineRequest, Sampling
+from app.errors import APIError, DecodeFailed
 from app.memory import DecodeMemory, DecodeMemoryClients, MemoryStore
-from app.protocol import APIError
+from app.pacing import LegPace, LocalLeg, decode_local_reason
+from app.wire import EngineChunk, EngineRequest, Sampling
 from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
 
@@ -131,50 +132,6 @@ class TurnResult:
 TurnEvent = Delta | TurnResult
 
 
-class LegPace:
-    """How long legs take on one pool of engines, to give a leg that pulls history a
-    deadline that covers its compute (`pull_timeout_s` bounds what the pull adds, not the
-    whole leg) and to tell where a turn's first token comes sooner.
-
-    Tracks seconds per prompt token the pool computes (a moving average over this
-    ingress's legs: a leg's time over its own tokens plus those of the legs that were in
-    flight when it started, since it waited for them) and the tokens that legs in flight
-    will compute. Counting the legs ahead in the pace keeps queueing from being counted
-    twice under load (once in the pace, again in the tokens ahead). One instance for the
-    prefill pool, one per decode replica for the turns it computes alone."""
-
-    MIN_TOKENS = 64
-    """Legs computing fewer tokens are mostly fixed cost; they don't update the pace."""
-
-    def __init__(self, weight: float = 0.3):
-        self._weight = weight
-        self.seconds_per_token: float | None = None
-        self.tokens_in_flight = 0
-
-    def observe(self, computed_tokens: int, seconds: float, ahead_tokens: int = 0) -> None:
-        """A leg computed `computed_tokens` in `seconds`, after `ahead_tokens` of legs
-        that were in flight when it started."""
-        if computed_tokens < self.MIN_TOKENS or seconds <= 0:
-            return
-        pace = seconds / (computed_tokens + max(0, ahead_tokens))
-        old = self.seconds_per_token
-        self.seconds_per_token = pace if old is None else old + self._weight * (pace - old)
-
-    def deadline(self, new_tokens: int, base_s: float) -> float:
-        """Seconds a leg computing `new_tokens` (started now) may take: `base_s` plus
-        twice the expected compute of it and of the legs ahead of it."""
-        if self.seconds_per_token is None:
-            return base_s
-        return base_s + 2.0 * self.seconds_per_token * (self.tokens_in_flight + new_tokens)
-
-    def expected(self, new_tokens: int, seconds_per_token: float | None = None) -> float:
-        """Seconds a leg computing `new_tokens` (started now) is expected to take, the
-        legs ahead of it included (0 until a leg was measured; `seconds_per_token`
-        stands in for the pace until then)."""
-        pace = self.seconds_per_token if self.seconds_per_token is not None else seconds_per_token
-        return (pace or 0.0) * (self.tokens_in_flight + new_tokens)
-
-
 class Turns:
     """Runs turns. One instance per ingress replica; safe for concurrent turns."""
 
@@ -241,7 +198,7 @@ class Turns:
             leg = None
             if local and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
-                leg = _LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
+                leg = LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
 
             def can_restart() -> bool:  # reads `sent` as the loop below sets it
                 return not sent
@@ -279,12 +236,7 @@ class Turns:
                 if leg is not None:
                     leg.end(len(prompt_ids) - final.num_cached_tokens if final is not None else None)
             if final is None:
-                raise APIError(
-                    502,
-                    "the decode replica ended the answer without a final output",
-                    type="server_error",
-                    code="decode_failed",
-                )
+                raise DecodeFailed(replica)
             for delta in held:
                 yield delta
             if recomputed:
@@ -435,35 +387,21 @@ class Turns:
     def _decode_local(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
     ) -> Literal["short", "busy"] | None:
-        """Whether the session's decode replica computes this turn alone, and why: bidir
-        only, with that replica's prefix cache holding the history (or no history at all).
-
-        * "short": few tokens to compute (`transfer.decode_local_tokens`): a P/D leg would
-          cost more than it saves.
-        * "busy": prefill has legs in flight and the turn (at most
-          `transfer.decode_local_busy_tokens` to compute) would get its first token sooner
-          from its decode replica: the prefill legs ahead plus its own tokens, at the
-          prefill pool's pace, take longer than the turns that replica is computing alone
-          plus its own, at its pace (the prefill pool's until it has one). Both sides are
-          this ingress's view: under several ingress replicas each counts only the legs it
-          sent, so the rule sees part of the load on either side.
-        """
-        t = self._cfg.transfer
+        """Whether the session's decode replica computes this turn alone
+        (`app.pacing.decode_local_reason`): bidir, with that replica's prefix cache
+        holding the history (or no history at all)."""
         if not self._cfg.reuses_kv:
             return None
+        replica = conv.decode_replica if conv is not None else None
         if history is None:
-            new_tokens, replica = len(prompt_ids), conv.decode_replica if conv is not None else None
-        elif self._cfg.decode.enable_prefix_caching and conv is not None and conv.decode_replica:
-            new_tokens, replica = len(prompt_ids) - history.num_tokens, conv.decode_replica
+            new_tokens = len(prompt_ids)
+        elif self._cfg.decode.enable_prefix_caching and replica:
+            new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None
-        if new_tokens <= t.decode_local_tokens:
-            return "short"
-        if new_tokens > t.decode_local_busy_tokens or replica is None or self.pace.tokens_in_flight <= 0:
-            return None
-        on_prefill = self.pace.expected(new_tokens)
-        on_decode = self._local_pace(replica).expected(new_tokens, self.pace.seconds_per_token)
-        return "busy" if on_decode < on_prefill else None
+        return decode_local_reason(
+            self._cfg.transfer, new_tokens, self.pace, self._local_pace(replica) if replica else None
+        )
 
     def _local_pace(self, replica: str) -> LegPace:
         pace = self.local_pace.get(replica)
@@ -600,13 +538,7 @@ class Turns:
                 if not can_restart() or tries == DECODE_ATTEMPTS:
                     self.counts["decode_failed"] += 1
                     logger.warning("decode %s failed: %r", attempt.request_id, exc)
-                    raise APIError(
-                        502,
-                        "the decode replica failed while answering; send the turn again",
-                        type="server_error",
-                        code="decode_failed",
-                        details={"decode_replica": replica},
-                    ) from exc
+                    raise DecodeFailed(replica) from exc
                 self.counts["decode_retried"] += 1
                 if produced:
                     self.counts["decode_restarted"] += 1
@@ -666,32 +598,6 @@ DECODE_ATTEMPTS = 3
 """Decode replicas a turn tries before it fails (each after the last failed before output)."""
 DECODE_RETRY_PAUSE_S = 0.2
 """Pause before the n-th retry, times n: Serve's routers drop a dead replica within it."""
-
-
-class _LocalLeg:
-    """A turn its decode replica computes alone, in that replica's `LegPace`: its tokens
-    are in flight until its first token, and a finished turn updates the pace."""
-
-    def __init__(self, pace: LegPace, new_tokens: int):
-        self._pace = pace
-        self._tokens = max(0, new_tokens)
-        self._ahead = pace.tokens_in_flight
-        self._started = time.monotonic()
-        self._to_first: float | None = None
-        pace.tokens_in_flight += self._tokens
-
-    def first_token(self) -> None:
-        if self._to_first is None:
-            self._to_first = time.monotonic() - self._started
-            self._pace.tokens_in_flight -= self._tokens
-
-    def end(self, computed_tokens: int | None) -> None:
-        """Called once, however the turn ended; `computed_tokens` None: it failed."""
-        if self._to_first is None:
-            self._to_first = -1.0
-            self._pace.tokens_in_flight -= self._tokens
-        elif computed_tokens is not None:
-            self._pace.observe(computed_tokens, self._to_first, self._ahead)
 
 
 logger = logging.getLogger("ray.serve")

@@ -10,10 +10,10 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from app import openai_api
+from app import errors, openai_api
 from app.config import AppConfig
-from app.engine import TokenLogprob
 from app.protocol import APIError, ChatCompletionRequest
+from app.wire import TokenLogprob
 from tests.conftest import MODEL
 
 TOOLS = [
@@ -101,20 +101,26 @@ def test_parse_json_refuses_with_400(raw):
 def test_error_bodies():
     from vllm.exceptions import VLLMValidationError
 
-    status, body = openai_api.error_body(VLLMValidationError("bad top_p", parameter="top_p"))
+    status, body = errors.error_body(VLLMValidationError("bad top_p", parameter="top_p"))
     assert status == 400 and body["error"]["param"] == "top_p" and body["error"]["message"] == "bad top_p"
-    status, body = openai_api.error_body(HTTPException(405, "Method Not Allowed"))
+    status, body = errors.error_body(HTTPException(405, "Method Not Allowed"))
     assert status == 405 and body["error"]["message"] == "Method Not Allowed"
-    status, body = openai_api.error_body(
+    status, body = errors.error_body(
         RequestValidationError([{"loc": ("body", "messages"), "msg": "Field required", "type": "missing"}])
     )
     assert status == 400 and body["error"]["param"] == "messages"
-    assert (
-        openai_api.error_body(openai_api.client_error(ValueError("presence_penalty must be in [-2, 2]")))[0]
-        == 400
-    )
-    assert openai_api.error_body(ValueError("internal"))[0] == 500
-    assert openai_api.error_body(RuntimeError("boom"))[1]["error"]["type"] == "server_error"
+    assert errors.error_body(errors.client_error(ValueError("presence_penalty must be in [-2, 2]")))[0] == 400
+    assert errors.error_body(ValueError("internal"))[0] == 500
+    assert errors.error_body(RuntimeError("boom"))[1]["error"]["type"] == "server_error"
+    # A store that cannot answer a request about it (ending a session) is a 503, not a 500.
+    from connector.actor import StoreUnavailable
+
+    status, body = errors.error_body(StoreUnavailable("shard restarting"))
+    assert status == 503 and body["error"]["code"] == "store_unavailable"
+    # Handle callers get the exception an HTTP client would get as a body.
+    as_error = errors.as_api_error(errors.client_error(ValueError("top_k must be -1 or >= 1")))
+    assert (as_error.status, as_error.type) == (400, "invalid_request_error")
+    assert errors.as_api_error(StoreUnavailable("x")).code == "store_unavailable"
 
 
 def test_template_kwargs_defaults_and_reserved_names():
@@ -313,7 +319,8 @@ def test_engine_request_with_client_params_pickles_and_decode_gets_them():
 
     from vllm.sampling_params import RequestOutputKind
 
-    from app.engine import EngineRequest, Sampling, sampling_params
+    from app.engine import sampling_params
+    from app.wire import EngineRequest, Sampling
 
     body = ChatCompletionRequest.model_validate(
         {
@@ -356,7 +363,7 @@ def test_grammar_the_engine_would_refuse_is_a_400_here():
     )
     with pytest.raises(Exception) as err:
         openai_api.check_structured_output(body.to_sampling_params(8, {}))
-    assert openai_api.error_body(err.value)[0] == 400
+    assert errors.error_body(err.value)[0] == 400
     ok = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
     )

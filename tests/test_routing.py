@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from app.engine import EngineRequest, Sampling
 from app.routing import SessionAffinityRouter
+from app.wire import EngineRequest, Sampling
 
 
 def replicas(*ids: str) -> list:

@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from app.config import AppConfig
-from app.engine import EngineChunk, EngineRequest, Sampling
+from app.pacing import LegPace
 from app.protocol import APIError
-from app.turns import DECODE_ATTEMPTS, Delta, LegPace, TurnInput, TurnResult, Turns
+from app.turns import DECODE_ATTEMPTS, Delta, TurnInput, TurnResult, Turns
+from app.wire import EngineChunk, EngineRequest, Sampling
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 from tests.conftest import config_with

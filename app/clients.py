@@ -1,0 +1,64 @@
+"""How the ingress reaches the rest of the graph: the engine replicas through their Serve
+deployment handles (`ServeEngineClients`, the production `app.turns.EngineClients` and
+`app.memory.DecodeMemoryClients`), and the handle store's settings for a config."""
+
+from __future__ import annotations
+
+from ray.serve.handle import DeploymentHandle
+
+from app.auth import ApiKeys
+from app.config import AppConfig
+from app.routing import LiveReplicas
+from app.wire import EngineChunk, EngineRequest, ReplicaQuery
+from connector.actor import StoreSettings
+
+
+class ServeEngineClients:
+    """`EngineClients` over Serve deployment handles."""
+
+    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle, decode_live: LiveReplicas):
+        self._prefill = prefill
+        self._decode = decode.options(stream=True)
+        self._decode_calls = decode
+        self._decode_live = decode_live
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
+        assert self._prefill is not None  # called in P/D modes only, which have prefill
+        return await self._prefill.prefill.remote(request)
+
+    async def decode(self, request: EngineRequest):
+        async for item in self._decode.generate.remote(request):
+            yield item
+
+    def decode_alive(self, replica_id: str) -> bool | None:
+        return self._decode_live.alive(replica_id)
+
+    def decode_replicas(self) -> frozenset[str] | None:
+        return self._decode_live.running()
+
+    async def decode_kv_blocks(self, replica_id: str) -> dict | None:
+        return await self._decode_calls.kv_blocks.remote(ReplicaQuery(replica_id))
+
+    async def release(self, replica_id: str, request_ids) -> list[str]:
+        return await self._decode_calls.release.remote(ReplicaQuery(replica_id), list(request_ids))
+
+
+def store_settings(cfg: AppConfig) -> StoreSettings:
+    """The handle store's settings for a config (the builder binds `SessionStore` with
+    them; the ingress checks the running store has them)."""
+    s = cfg.sessions
+    tenants = ApiKeys.of(cfg.access).tenants()
+    return StoreSettings(
+        handle_ttl_s=s.handle_ttl_s,
+        decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
+        max_sessions=s.max_sessions,
+        max_blocks_per_engine=s.max_pinned_blocks_per_engine,
+        index_block_size=cfg.block_size,
+        pinned_fraction=s.pinned_fraction,
+        shards=s.store_shards,
+        max_store_bytes=s.max_store_bytes,
+        tenant_weights=tuple((t.namespace, t.policy.weight) for t in tenants if t.policy.weight != 1.0),
+        tenant_max_sessions=tuple(
+            (t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions
+        ),
+    )
