@@ -41,14 +41,8 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from connector.store import (
-    DEFAULT_MAX_STORE_BYTES,
-    Claim,
-    Conversation,
-    ConversationTail,
-    HandleStore,
-    TurnOutcome,
-)
+from connector.records import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, ConversationTail, TurnOutcome
+from connector.store import HandleStore
 
 logger = logging.getLogger("ray.serve")
 

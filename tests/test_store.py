@@ -7,7 +7,9 @@ from collections import OrderedDict
 
 import pytest
 
+from connector.events import Miss, StoreEvent
 from connector.handle import KVHandle, Location
+from connector.records import LIVE_STATES, OUTCOME_STATE, TRANSITIONS
 from connector.store import (
     Conversation,
     ConversationTail,
@@ -500,19 +502,60 @@ def test_store_rejects_ttl_not_below_decoder_ttl(clock):
         make_store(clock, handle_ttl_s=DECODER_TTL)
 
 
-def test_states_cover_every_exit():
-    assert {s.value for s in HandleState} == {
-        "stored",
-        "claimed",
-        "pulled",
-        "unused",
-        "failed",
-        "expired",
-        "evicted",
-        "superseded",
-        "dropped",
-        "ended",
-    }
+def _exit_by(exit_state, store, clock) -> str:
+    """Drive a stored handle of session "s" out by `exit_state` through the public API."""
+    store.put(conv("s", range(10), blocks=3))
+    if exit_state in OUTCOME_STATE.values():  # claimed, then settled by its turn
+        outcome = next(o for o, state in OUTCOME_STATE.items() if state is exit_state)
+        store.end_turn(store.begin_turn("s").lease_id, outcome, None)
+    elif exit_state is HandleState.EXPIRED:
+        clock.advance(TTL)
+    elif exit_state is HandleState.EVICTED:
+        store.set_engine_capacity("d-0", 2)  # a budget of 1 block
+    elif exit_state is HandleState.SUPERSEDED:
+        store.put(conv("s", range(12), blocks=1))
+    elif exit_state is HandleState.DROPPED:
+        store.drop_engine("d-0")
+    elif exit_state is HandleState.ENDED:
+        store.end_session("s")
+    return "s"
+
+
+def test_states_cover_every_exit(clock):
+    """Every state but the live ones and NO_HANDLE is an exit: reachable from STORED in
+    the transition table, final, produced by the store's public API, and counted."""
+    reachable, frontier = set(), [HandleState.STORED]
+    while frontier:
+        for nxt in TRANSITIONS.get(frontier.pop(), ()):
+            if nxt not in reachable:
+                reachable.add(nxt)
+                frontier.append(nxt)
+    exits = reachable - LIVE_STATES
+    assert exits == set(HandleState) - LIVE_STATES - {HandleState.NO_HANDLE}
+    assert LIVE_STATES <= reachable | {HandleState.STORED} and HandleState.NO_HANDLE not in reachable
+    for exit_state in exits:
+        assert not TRANSITIONS.get(exit_state), exit_state  # final
+        store = make_store(clock)
+        session = _exit_by(exit_state, store, clock)
+        stats = store.stats()
+        assert store.counts[exit_state.value] == 1 and stats["counts"][exit_state.value] == 1, exit_state
+        unread = exit_state not in (HandleState.PULLED, HandleState.DROPPED)
+        assert [r.reason for r in store.take_releases()] == ([exit_state] if unread else []), exit_state
+        kept = exit_state not in (HandleState.SUPERSEDED, HandleState.ENDED)
+        if kept:  # the record stays, its handle in the exit state, and says so on a claim
+            assert stats["handles"] == {exit_state.value: 1}, exit_state
+            claim = store.begin_turn(session)
+            assert claim.handle is None and claim.miss_reason == Miss(exit_state.value), exit_state
+            assert store.counts[Miss(exit_state.value).event] == 1
+        else:
+            assert stats["handles"] == ({"stored": 1} if exit_state is HandleState.SUPERSEDED else {})
+        # Every counter the store emitted is in its vocabulary.
+        assert set(store.stats()["counts"]) <= set(StoreEvent), exit_state
+    # A conversation without a handle enters NO_HANDLE, final and not listed as a handle.
+    assert HandleState.NO_HANDLE in TRANSITIONS[None] and not TRANSITIONS.get(HandleState.NO_HANDLE)
+    store = make_store(clock)
+    store.put(conv("s", range(10), with_handle=False))
+    assert store.stats()["handles"] == {} and store.begin_turn("s").miss_reason == Miss.NO_HANDLE
 
 
 # -- fleet scale: bounded matching ------------------------------------------------------------
