@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from connector.patching import require_set_in_init
+
 
 class Liveness:
     """Running replicas per (app, deployment), as the routers of this process last saw them."""
@@ -83,16 +85,31 @@ def _ids(replicas) -> frozenset[str]:
     return frozenset(r.replica_id.unique_id for r in replicas)
 
 
+def process_liveness() -> Liveness:
+    """This process's `LIVENESS`, looked up in the imported module at call time. Serve
+    ships a custom router class to the handle's process pickled *by value* (its module's
+    globals copied with it): a router that wrote to its own `LIVENESS` global would fill
+    a copy nobody reads."""
+    from app import routing
+
+    return routing.LIVENESS
+
+
+# Serve keeps a router's deployment in a private attribute; checked here, at import, so
+# a Ray that changed it fails loudly instead of routing blind.
+require_set_in_init(RequestRouter, "_deployment_id")
+
+
 class SessionAffinityRouter(FIFOMixin, RequestRouter):
     """Prefer the session's replica; least loaded of two random replicas otherwise."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        LIVENESS.record(self.app_name, self._deployment_id.name, _ids(replicas))
+        process_liveness().record(self.app_name, self._deployment_id.name, _ids(replicas))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        LIVENESS.discard(self.app_name, self._deployment_id.name, replica_id.unique_id)
+        process_liveness().discard(self.app_name, self._deployment_id.name, replica_id.unique_id)
 
     async def choose_replicas(
         self,

@@ -35,3 +35,44 @@ def test_a_retry_leaves_out_the_replicas_that_failed_it():
 
 def test_a_retry_with_no_other_replica_left_tries_the_failed_ones():
     assert choose(replicas("a"), request(avoid_replicas=("a",))) == [["a"]]
+
+
+def test_liveness_reaches_the_ingress_through_the_router_serve_ships(tmp_path):
+    """Serve pickles a custom router class by value (`RequestRouterConfig`): in the
+    ingress's process the router is a copy whose module globals are copies too. What it
+    records about running and dead replicas must still land in the table the ingress
+    reads (`LiveReplicas`); a router writing to its own copy left every replica's
+    liveness unknown. Checked in a fresh interpreter, as in the ingress."""
+    import subprocess
+    import sys
+
+    from ray.serve.config import RequestRouterConfig
+
+    shipped = RequestRouterConfig(request_router_class="app.routing.SessionAffinityRouter")
+    (tmp_path / "router.pkl").write_bytes(shipped.get_serialized_request_router_cls())
+    script = """
+import sys
+from types import SimpleNamespace
+from ray import cloudpickle
+from app.routing import LiveReplicas, SessionAffinityRouter
+shipped = cloudpickle.loads(open(sys.argv[1], "rb").read())
+assert shipped is not SessionAffinityRouter, "not a by-value copy"
+base = shipped.__mro__[1]
+base.update_replicas = lambda self, replicas: None  # Serve's own bookkeeping
+base.on_replica_actor_died = lambda self, replica_id: None
+base.app_name = property(lambda self: self._deployment_id.app_name)
+router = shipped.__new__(shipped)
+router._deployment_id = SimpleNamespace(name="DecodeServer", app_name="app1")
+replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=i)) for i in ("a", "b")]
+live = LiveReplicas("app1", "DecodeServer")
+print(live.running())
+router.update_replicas(replicas)
+print(sorted(live.running()), live.alive("a"))
+router.on_replica_actor_died(SimpleNamespace(unique_id="a"))
+print(sorted(live.running()), live.alive("a"))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "router.pkl")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-3:] == ["None", "['a', 'b'] True", "['b'] False"]
