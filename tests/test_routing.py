@@ -71,8 +71,7 @@ print(sorted(live.running()), live.alive("a"))
 router.on_replica_actor_died(SimpleNamespace(unique_id="a"))
 print(sorted(live.running()), live.alive("a"))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "router.pkl")], capture_output=True, text=True, timeout=120
-    )
+    command = [sys.executable, "-c", script, str(tmp_path / "router.pkl")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-3:] == ["None", "['a', 'b'] True", "['b'] False"]
