@@ -284,7 +284,7 @@ class Ingress:
         return {"id": session_id, "object": "session", "deleted": True}
 
     async def stats(self) -> dict:
-        out: dict[str, Any] = {"turns": dict(self._turns.counts)}
+        out: dict[str, Any] = {"turns": {str(k): v for k, v in self._turns.counts.items()}}
         if self._store is not None:
             try:
                 out["store"] = await self._store.stats()

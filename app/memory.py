@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.config import AppConfig
+from app.events import TurnCount
 from connector.store import Conversation
 
 logger = logging.getLogger("ray.serve")
@@ -113,10 +114,10 @@ class DecodeMemory:
             )
         except Exception:
             logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
-            self.counts["capacity_unknown"] += 1
+            self.counts[TurnCount.CAPACITY_UNKNOWN] += 1
             return None
         if not blocks or blocks.get("engine_id") != engine_id:
-            self.counts["capacity_unknown"] += 1
+            self.counts[TurnCount.CAPACITY_UNKNOWN] += 1
             return None
         self._blocks[engine_id] = int(blocks["total"])
         self._engine_of[conversation.decode_replica] = engine_id
@@ -163,10 +164,10 @@ class DecodeMemory:
             try:
                 await self._store.set_engine_capacity(engine_id, self._blocks[engine_id])
                 told += 1
-                self.counts["capacity_synced"] += 1
+                self.counts[TurnCount.CAPACITY_SYNCED] += 1
             except Exception as exc:
                 logger.warning("could not tell the store the capacity of %s: %r", engine_id, exc)
-                self.counts["capacity_sync_error"] += 1
+                self.counts[TurnCount.CAPACITY_SYNC_ERROR] += 1
         return told
 
     def release_soon(self) -> None:
@@ -190,13 +191,13 @@ class DecodeMemory:
                 releases = await self._store.take_releases()
             except Exception:
                 logger.exception("could not take the store's releases")
-                self.counts["release_store_error"] += 1
+                self.counts[TurnCount.RELEASE_STORE_ERROR] += 1
                 return 0
             by_replica: dict[str, list[Any]] = defaultdict(list)
             for r in releases:
-                self.counts[f"release_{getattr(r.reason, 'value', r.reason)}"] += 1
+                self.counts[TurnCount.release(r.reason)] += 1
                 if r.decode_replica is None or self._clients.decode_alive(r.decode_replica) is False:
-                    self.counts["release_replica_gone"] += 1
+                    self.counts[TurnCount.RELEASE_REPLICA_GONE] += 1
                     continue
                 by_replica[r.decode_replica].append(r)
             released = 0
@@ -206,12 +207,14 @@ class DecodeMemory:
                     done = set(await asyncio.wait_for(call, REPLICA_CALL_TIMEOUT_S))
                 except Exception:
                     logger.exception("release on decode replica %s failed", replica)
-                    self.counts["release_engine_error"] += len(batch)
+                    self.counts[TurnCount.RELEASE_ENGINE_ERROR] += len(batch)
                     continue
                 released += len(done)
-                self.counts["released_requests"] += len(done)
-                self.counts["released_blocks"] += sum(r.num_blocks for r in batch if r.request_id in done)
-                self.counts["release_not_pinned"] += len(batch) - len(done)
+                self.counts[TurnCount.RELEASED_REQUESTS] += len(done)
+                self.counts[TurnCount.RELEASED_BLOCKS] += sum(
+                    r.num_blocks for r in batch if r.request_id in done
+                )
+                self.counts[TurnCount.RELEASE_NOT_PINNED] += len(batch) - len(done)
             return released
 
     def _start_ticker(self) -> None:
@@ -237,4 +240,4 @@ class DecodeMemory:
                 # A tick that fails must not end the ticker: nothing else frees expired
                 # pins early or syncs budgets while no turn comes.
                 logger.exception("decode-memory tick failed")
-                self.counts["memory_tick_error"] += 1
+                self.counts[TurnCount.MEMORY_TICK_ERROR] += 1

@@ -207,7 +207,7 @@ class TurnMetrics:
             if value > 0:
                 counter.inc(value, tags=tags)
         if result.miss_reason:
-            self.misses.inc(1, tags={"mode": self._mode, "reason": result.miss_reason})
+            self.misses.inc(1, tags={"mode": self._mode, "reason": str(result.miss_reason)})
 
     def sync_refusals(self, refused: Mapping[tuple[str, str], int]) -> None:
         """Export the growth of the quotas' refusals (`app.quotas.Quotas.refused`)."""
@@ -224,7 +224,7 @@ class TurnMetrics:
             if grown <= 0:
                 continue
             self._synced[event] = value
-            self.events.inc(grown, tags={"event": event})
+            self.events.inc(grown, tags={"event": str(event)})
             if event == "pull_timeout":
                 self.pull_timeouts.inc(grown)
 

@@ -28,6 +28,7 @@ from typing import Literal, Protocol
 
 from app.config import AppConfig, Mode
 from app.errors import APIError, DecodeFailed
+from app.events import MissReason, TurnCount
 from app.memory import DecodeMemory, DecodeMemoryClients, MemoryStore
 from app.pacing import LegPace, LocalLeg, decode_local_reason
 from app.wire import EngineChunk, EngineRequest, Sampling
@@ -165,9 +166,9 @@ class Turns:
                 # Decode computes the new tokens over the history it holds: no prefill
                 # leg, no transfer. The claimed handle is left unread (released early).
                 decode_params = local_decode_params()
-                self.counts["decode_local"] += 1
+                self.counts[TurnCount.DECODE_LOCAL] += 1
                 if local == "busy":
-                    self.counts["decode_local_busy"] += 1
+                    self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
             elif self._cfg.disaggregated:
                 decode_params, cached, pull_ok = await self._prefill(
                     turn, prompt_ids, history, pin_deadline, timings
@@ -245,14 +246,14 @@ class Turns:
             elif local or not self._cfg.disaggregated:
                 cached = final.num_cached_tokens
                 if local:
-                    self.counts["decode_local_cached_tokens"] += cached
+                    self.counts[TurnCount.DECODE_LOCAL_CACHED_TOKENS] += cached
             new_conv = self._conversation(
                 session_id, turn, prompt_ids, generated, "".join(texts), final, replica
             )
             engine_blocks = await self.memory.capacity_of(new_conv)
-            self.counts["turns"] += 1
-            self.counts["prompt_tokens"] += len(prompt_ids)
-            self.counts["cached_tokens"] += cached
+            self.counts[TurnCount.TURNS] += 1
+            self.counts[TurnCount.PROMPT_TOKENS] += len(prompt_ids)
+            self.counts[TurnCount.CACHED_TOKENS] += cached
             yield TurnResult(
                 session_id=session_id.removeprefix(turn.namespace),
                 finish_reason=final.finish_reason or "stop",
@@ -291,7 +292,7 @@ class Turns:
             )
             if session_id is not None and not session_id.startswith(turn.namespace):
                 session_id = None  # another tenant's conversation: never matched across
-            self.counts["sessionless_matched" if session_id else "sessionless_new"] += 1
+            self.counts[TurnCount.SESSIONLESS_MATCHED if session_id else TurnCount.SESSIONLESS_NEW] += 1
         session_id = session_id or turn.namespace + _new_session()
         # Store unavailable: the turn runs without reuse and is not stored.
         claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
@@ -304,7 +305,7 @@ class Turns:
         try:
             return await call
         except Exception as exc:
-            self.counts["store_unavailable"] += 1
+            self.counts[TurnCount.STORE_UNAVAILABLE] += 1
             logger.warning("store %s failed, turn goes on without it: %r", what, exc)
             return default
 
@@ -320,7 +321,7 @@ class Turns:
             and conv.text is not None
             and text.startswith(conv.text)
         ):
-            self.counts["spliced"] += 1
+            self.counts[TurnCount.SPLICED] += 1
             return conv.token_ids + tuple(self._tok.encode(text[len(conv.text) :])), True
         if prompt_ids is None:
             prompt_ids = tuple(self._tok.encode(text))
@@ -357,32 +358,31 @@ class Turns:
         if claim is None:
             return None, None
         if claim.handle is None:
-            self.counts[f"miss_{claim.miss_reason}"] += 1
-            return None, claim.miss_reason
+            return self._miss(MissReason(claim.miss_reason or MissReason.NO_CONVERSATION))
         if pin_deadline is not None:
             new_tokens = len(prompt_ids) - min(claim.handle.num_tokens, len(prompt_ids) - 1)
             if time.monotonic() + self.pace.expected(new_tokens) >= pin_deadline:
                 # The pull could not finish before decode lets the blocks go: recompute.
-                self.counts["miss_pin_deadline"] += 1
-                return None, "pin_deadline"
+                return self._miss(MissReason.PIN_DEADLINE)
         conv = claim.conversation
         assert conv is not None  # a claimed handle comes with its conversation
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
-            self.counts["miss_replica_gone"] += 1
             assert self._store is not None  # the claim came from it
             await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
-            return None, "replica_gone"
+            return self._miss(MissReason.REPLICA_GONE)
         handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
         if drift:
-            self.counts["drift_cut"] += 1
-            self.counts["drift_tokens"] += drift
+            self.counts[TurnCount.DRIFT_CUT] += 1
+            self.counts[TurnCount.DRIFT_TOKENS] += drift
         if handle.num_tokens < max(1, self._cfg.transfer.recompute_threshold_tokens):
-            self.counts[
-                "miss_prefix_mismatch" if handle.num_tokens < conv.prompt_len else "miss_too_short"
-            ] += 1
-            return None, "prefix_mismatch" if handle.num_tokens < conv.prompt_len else "too_short"
-        self.counts["handle_used"] += 1
+            short = handle.num_tokens >= conv.prompt_len
+            return self._miss(MissReason.TOO_SHORT if short else MissReason.PREFIX_MISMATCH)
+        self.counts[TurnCount.HANDLE_USED] += 1
         return handle, None
+
+    def _miss(self, reason: MissReason) -> tuple[None, MissReason]:
+        self.counts[reason.counter] += 1
+        return None, reason
 
     def _decode_local(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
@@ -448,15 +448,15 @@ class Turns:
             final = await self._paced_prefill(request, new_tokens, timeout)
         except TimeoutError:
             if history is None:  # nothing to recompute without: decode computes the prompt
-                self.counts["prefill_timeout"] += 1
-                self.counts["prefill_skipped"] += 1
+                self.counts[TurnCount.PREFILL_TIMEOUT] += 1
+                self.counts[TurnCount.PREFILL_SKIPPED] += 1
                 return None, 0, False
-            self.counts["pull_deadline" if by_pin else "pull_timeout"] += 1
+            self.counts[TurnCount.PULL_DEADLINE if by_pin else TurnCount.PULL_TIMEOUT] += 1
             final = await self._recompute_prefill(request)
             history = None
             pull_ok = False
         except Exception as exc:  # the replica or its engine failed (not a timeout)
-            self.counts["prefill_failed"] += 1
+            self.counts[TurnCount.PREFILL_FAILED] += 1
             logger.warning("prefill leg %s failed, retrying without history: %r", request.request_id, exc)
             final = await self._recompute_prefill(request)
             pull_ok = False
@@ -464,7 +464,7 @@ class Turns:
             pull_ok = history is None or final.num_cached_tokens + self._cfg.block_size > history.num_tokens
             if not pull_ok:
                 # Prefill's recompute policy took over: the pull failed.
-                self.counts["pull_short"] += 1
+                self.counts[TurnCount.PULL_SHORT] += 1
         if final is None:  # prefill failed twice: decode computes the whole prompt
             return None, 0, False
         if timings is not None and final.engine_timings:
@@ -473,7 +473,7 @@ class Turns:
         try:
             return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
         except WireError:
-            self.counts["prefill_no_handle"] += 1
+            self.counts[TurnCount.PREFILL_NO_HANDLE] += 1
             return None, final.num_cached_tokens, pull_ok
 
     async def _recompute_prefill(self, failed: EngineRequest) -> EngineChunk | None:
@@ -489,7 +489,7 @@ class Turns:
                 retry, new_tokens, self.pace.deadline(new_tokens, self._cfg.transfer.prefill_timeout_s)
             )
         except Exception as exc:  # a timeout included
-            self.counts["prefill_skipped"] += 1
+            self.counts[TurnCount.PREFILL_SKIPPED] += 1
             logger.warning("prefill retry %s failed, decode computes the prompt: %r", retry.request_id, exc)
             return None
 
@@ -536,12 +536,12 @@ class Turns:
                 raise
             except Exception as exc:
                 if not can_restart() or tries == DECODE_ATTEMPTS:
-                    self.counts["decode_failed"] += 1
+                    self.counts[TurnCount.DECODE_FAILED] += 1
                     logger.warning("decode %s failed: %r", attempt.request_id, exc)
                     raise DecodeFailed(replica) from exc
-                self.counts["decode_retried"] += 1
+                self.counts[TurnCount.DECODE_RETRIED] += 1
                 if produced:
-                    self.counts["decode_restarted"] += 1
+                    self.counts[TurnCount.DECODE_RESTARTED] += 1
                 logger.warning(
                     "decode %s failed on %s, computing the turn on another replica: %r",
                     attempt.request_id,
@@ -568,7 +568,7 @@ class Turns:
             try:
                 handle = KVHandle.from_wire(final.kv_params)
             except WireError:
-                self.counts["decode_no_handle"] += 1
+                self.counts[TurnCount.DECODE_NO_HANDLE] += 1
         return Conversation(
             session_id=session_id,
             token_ids=tuple(prompt_ids) + tuple(generated),

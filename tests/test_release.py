@@ -287,7 +287,7 @@ async def test_releases_go_to_their_replicas_grouped():
     store.outbox = [
         FakeRelease("e0", "r1", "d0", 5, "evicted"),
         FakeRelease("e0", "r2", "d0", 7, "superseded"),
-        FakeRelease("e1", "r3", "d1", 3, "session_ended"),
+        FakeRelease("e1", "r3", "d1", 3, "ended"),
         FakeRelease("e1", "gone", "d1", 2, "expired"),
         FakeRelease("e2", "r4", "d2", 9, "evicted"),
     ]
@@ -295,7 +295,7 @@ async def test_releases_go_to_their_replicas_grouped():
     assert sorted(replicas.calls) == [("d0", ["r1", "r2"]), ("d1", ["r3", "gone"])]
     assert counts["released_requests"] == 3 and counts["released_blocks"] == 15
     assert counts["release_not_pinned"] == 1 and counts["release_replica_gone"] == 1
-    assert counts["release_evicted"] == 2 and counts["release_session_ended"] == 1
+    assert counts["release_evicted"] == 2 and counts["release_ended"] == 1
     assert await memory.flush() == 0 and len(replicas.calls) == 2
 
 

@@ -1,0 +1,122 @@
+"""The ingress's vocabularies: every counter key of a turn and every reason a turn did
+not reuse the decode engine's KV.
+
+- `MissReason`: `TurnResult.miss_reason` (the client's `kvturn.miss_reason`): the store's
+  own reasons (`connector.events.Miss`) and the ones the pipeline finds itself.
+- `TurnCount`: the keys of `Turns.counts`, shared by the decode memory, exported as
+  Prometheus `kvturn_turn_events{event}` and shown in `/v1/kv/stats` (`turns`).
+
+`StrEnum`s, like the store's: a member is its string, so JSON and metric tags show the
+string, and a misspelt member fails at import instead of starting a new counter.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from connector.events import Miss
+from connector.records import HandleState
+
+
+class MissReason(enum.StrEnum):
+    NO_CONVERSATION = "no_conversation"
+    NO_HANDLE = "no_handle"
+    CLAIMED = "claimed"
+    PULLED = "pulled"
+    UNUSED = "unused"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    EVICTED = "evicted"
+    DROPPED = "dropped"
+    # Found by the pipeline.
+    PIN_DEADLINE = "pin_deadline"  # a pull could not end before decode lets the blocks go
+    REPLICA_GONE = "replica_gone"  # the session's decode replica died
+    PREFIX_MISMATCH = "prefix_mismatch"  # the prompt does not extend the stored tokens
+    TOO_SHORT = "too_short"  # less history in common than the recompute threshold
+
+    @property
+    def counter(self) -> TurnCount:
+        """The counter this miss increments (`miss_<reason>`)."""
+        return TurnCount(f"miss_{self.value}")
+
+
+class TurnCount(enum.StrEnum):
+    # Turns and tokens.
+    TURNS = "turns"
+    PROMPT_TOKENS = "prompt_tokens"
+    CACHED_TOKENS = "cached_tokens"
+    SPLICED = "spliced"  # token-in/token-out re-used the last answer's ids
+    SESSIONLESS_MATCHED = "sessionless_matched"
+    SESSIONLESS_NEW = "sessionless_new"
+    STORE_UNAVAILABLE = "store_unavailable"
+    # The claimed handle.
+    HANDLE_USED = "handle_used"
+    DRIFT_CUT = "drift_cut"  # the handle was capped to the common prefix
+    DRIFT_TOKENS = "drift_tokens"
+    MISS_NO_CONVERSATION = "miss_no_conversation"
+    MISS_NO_HANDLE = "miss_no_handle"
+    MISS_CLAIMED = "miss_claimed"
+    MISS_PULLED = "miss_pulled"
+    MISS_UNUSED = "miss_unused"
+    MISS_FAILED = "miss_failed"
+    MISS_EXPIRED = "miss_expired"
+    MISS_EVICTED = "miss_evicted"
+    MISS_DROPPED = "miss_dropped"
+    MISS_PIN_DEADLINE = "miss_pin_deadline"
+    MISS_REPLICA_GONE = "miss_replica_gone"
+    MISS_PREFIX_MISMATCH = "miss_prefix_mismatch"
+    MISS_TOO_SHORT = "miss_too_short"
+    # Where the turn was computed.
+    DECODE_LOCAL = "decode_local"
+    DECODE_LOCAL_BUSY = "decode_local_busy"
+    DECODE_LOCAL_CACHED_TOKENS = "decode_local_cached_tokens"
+    # The prefill leg.
+    PREFILL_TIMEOUT = "prefill_timeout"
+    PREFILL_SKIPPED = "prefill_skipped"
+    PREFILL_FAILED = "prefill_failed"
+    PREFILL_NO_HANDLE = "prefill_no_handle"
+    PULL_TIMEOUT = "pull_timeout"
+    PULL_DEADLINE = "pull_deadline"
+    PULL_SHORT = "pull_short"  # prefill's recompute policy took over: the pull failed
+    # The decode leg.
+    DECODE_RETRIED = "decode_retried"
+    DECODE_RESTARTED = "decode_restarted"
+    DECODE_FAILED = "decode_failed"
+    DECODE_NO_HANDLE = "decode_no_handle"
+    # Decode memory (`app.memory`).
+    CAPACITY_UNKNOWN = "capacity_unknown"
+    CAPACITY_SYNCED = "capacity_synced"
+    CAPACITY_SYNC_ERROR = "capacity_sync_error"
+    MEMORY_TICK_ERROR = "memory_tick_error"
+    RELEASED_REQUESTS = "released_requests"
+    RELEASED_BLOCKS = "released_blocks"
+    RELEASE_NOT_PINNED = "release_not_pinned"
+    RELEASE_REPLICA_GONE = "release_replica_gone"
+    RELEASE_STORE_ERROR = "release_store_error"
+    RELEASE_ENGINE_ERROR = "release_engine_error"
+    # Releases taken from the store, by the reason the handle left it.
+    RELEASE_UNUSED = "release_unused"
+    RELEASE_FAILED = "release_failed"
+    RELEASE_EXPIRED = "release_expired"
+    RELEASE_EVICTED = "release_evicted"
+    RELEASE_SUPERSEDED = "release_superseded"
+    RELEASE_ENDED = "release_ended"
+
+    @classmethod
+    def release(cls, reason: object) -> TurnCount:
+        """The counter of a release taken for `reason` (a `HandleState`, or its value)."""
+        return cls(f"release_{getattr(reason, 'value', reason)}")
+
+
+# Every reason the store can give has its pipeline counterpart (checked at import).
+_UNRELEASED = {
+    HandleState.STORED,
+    HandleState.CLAIMED,
+    HandleState.PULLED,
+    HandleState.DROPPED,
+    HandleState.NO_HANDLE,
+}
+if not {m.value for m in Miss} <= {m.value for m in MissReason}:
+    raise RuntimeError("a store miss reason has no MissReason")
+if not {f"release_{s.value}" for s in HandleState if s not in _UNRELEASED} <= {c.value for c in TurnCount}:
+    raise RuntimeError("a release reason has no TurnCount")
