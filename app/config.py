@@ -284,7 +284,10 @@ class TenantPolicy(_Strict):
     max_sessions: int | None = Field(
         None,
         ge=1,
-        description="Conversations kept for the tenant; past it its least recently used is forgotten.",
+        description=(
+            "Live sessions (a turn within sessions.handle_ttl_s); a turn that would start one more "
+            "is refused with 429 and Retry-After."
+        ),
     )
     max_concurrent_turns: int | None = Field(
         None, ge=1, description="Turns in flight at once; more are refused with 429 and Retry-After."

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from app.config import AppConfig, Mode
-from app.errors import APIError, DecodeFailed
+from app.errors import APIError, DecodeFailed, RateLimited
 from app.events import MissReason, TurnCount
 from app.memory import DecodeMemory, DecodeMemoryClients, MemoryStore
 from app.pacing import LegPace, LocalLeg, decode_local_reason
@@ -296,6 +297,12 @@ class Turns:
         session_id = session_id or turn.namespace + _new_session()
         # Store unavailable: the turn runs without reuse and is not stored.
         claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
+        if claim is not None and claim.retry_after_s is not None:
+            seconds = max(1, math.ceil(claim.retry_after_s))
+            raise RateLimited(
+                f"Rate limit reached for this API key: its maximum of live sessions. Retry in {seconds} s.",
+                seconds,
+            )
         return session_id, prompt_ids, claim
 
     async def _store_call(self, call, default, what: str):

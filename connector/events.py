@@ -72,7 +72,7 @@ class StoreEvent(enum.StrEnum):
     SESSIONS_EVICTED = "sessions_evicted"  # LRU, by sessions or bytes
     EVICTED_FOR_BYTES = "evicted_for_bytes"  # ... of which for the byte bound
     EVICTED_FOR_BLOCKS = "evicted_for_blocks"  # handles, for an engine's pinned-block budget
-    SESSIONS_EVICTED_FOR_TENANT_LIMIT = "sessions_evicted_for_tenant_limit"
+    SESSIONS_REFUSED = "sessions_refused"  # a new session past its tenant's live-session limit
     RELEASES_TAKEN = "releases_taken"
     # Sessionless matching (`HandleStore.match`).
     MATCH_CANDIDATES = "match_candidates"
@@ -83,7 +83,7 @@ class StoreEvent(enum.StrEnum):
 class TenantEvent(enum.StrEnum):
     """Per-tenant events (`HandleStore.tenant_counts`, `stats()["tenants"]`)."""
 
-    SESSIONS_EVICTED = "sessions_evicted"  # for the tenant's own session limit
+    SESSIONS_REFUSED = "sessions_refused"  # new sessions refused: the tenant's live-session limit
     EVICTED_FOR_BLOCKS = "evicted_for_blocks"  # handles, for an engine's pinned-block budget
 
 

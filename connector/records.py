@@ -265,6 +265,10 @@ class Claim:
     conversation_known: bool = False
     """The stored conversation is the one the caller said it holds (`begin_turn(known=)`):
     `conversation` is left out, the caller fills in its own copy."""
+    retry_after_s: float | None = None
+    """Set when the turn is refused: the session is new and its tenant already has its
+    maximum of live sessions. No lease was opened (nothing to end); the tenant may start
+    a session again in this many seconds."""
 
 
 @dataclass(frozen=True)

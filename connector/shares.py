@@ -7,6 +7,10 @@ the one tenant of a deployment without keys (""). The store calls this module on
 change of what a tenant keeps; all methods are O(1) but `victim`, which is O(tenants on
 the engine).
 
+A tenant's `max_sessions` bounds its *live* sessions (used within the store's handle TTL,
+while their KV may still be pinned): a turn that would start one more is refused
+(`refusal`, a 429 at the ingress) until the oldest goes idle. Idle sessions stay kept.
+
 Shares are weighted max-min: when a decode engine's waiting handles exceed its budget,
 the tenant whose pinned blocks are largest for its weight gives up its least recently
 stored conversation. A tenant alone on an engine may use all of the budget (idle share is
@@ -43,7 +47,8 @@ class TenantShares:
         self.blocks: Counter[tuple[str, str]] = Counter()
         self._stored: dict[tuple[str, str], OrderedDict[str, None]] = {}
         self._tenants_on: dict[str, Counter[str]] = {}  # engine -> tenant -> stored sessions
-        self._sessions: dict[str, OrderedDict[str, None]] = {}
+        self._sessions: dict[str, OrderedDict[str, float]] = {}  # kept, by last use
+        self._live: dict[str, OrderedDict[str, float]] = {}  # used within the window, by last use
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
@@ -89,28 +94,38 @@ class TenantShares:
         tenant = max(tenants, key=lambda t: (self.blocks[(engine_id, t)] / self.weight(t), t))
         return next(iter(self._stored[(engine_id, tenant)]))
 
-    # -- kept conversations -----------------------------------------------------------------
+    # -- kept and live conversations -----------------------------------------------------
 
-    def touch(self, tenant: str, session_id: str) -> None:
-        """The session was used or stored: it is the tenant's most recent."""
-        sessions = self._sessions.setdefault(tenant, OrderedDict())
-        sessions[session_id] = None
-        sessions.move_to_end(session_id)
+    def touch(self, tenant: str, session_id: str, now: float) -> None:
+        """The session was used or stored at `now`: it is the tenant's most recent."""
+        for table in (self._sessions, self._live):
+            sessions = table.setdefault(tenant, OrderedDict())
+            sessions[session_id] = now
+            sessions.move_to_end(session_id)
 
     def forget(self, tenant: str, session_id: str) -> None:
-        sessions = self._sessions.get(tenant)
-        if sessions is not None:
-            sessions.pop(session_id, None)
-            if not sessions:
-                del self._sessions[tenant]
+        for table in (self._sessions, self._live):
+            sessions = table.get(tenant)
+            if sessions is not None:
+                sessions.pop(session_id, None)
+                if not sessions:
+                    del table[tenant]
 
-    def over_session_limit(self, tenant: str) -> str | None:
-        """The tenant's least recently used session when it keeps more than its limit."""
+    def refusal(self, tenant: str, session_id: str, now: float, window_s: float) -> float | None:
+        """Seconds until the tenant may start `session_id`, a session it does not keep
+        yet, when it already has its maximum of live sessions (used within `window_s`);
+        None: it may start now."""
         limit = self._max_sessions.get(tenant)
-        sessions = self._sessions.get(tenant)
-        if limit is None or sessions is None or len(sessions) <= limit:
+        if limit is None:
             return None
-        return next(iter(sessions))
+        live = self._live.get(tenant)
+        if live is None:
+            return None
+        while live and next(iter(live.values())) <= now - window_s:
+            live.popitem(last=False)  # idle past the window: kept, but no longer live
+        if session_id in live or len(live) < limit:
+            return None
+        return next(iter(live.values())) + window_s - now
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tenant: sessions kept and blocks pinned for it (all engines)."""

@@ -160,7 +160,9 @@ class HandleStore:
         return self._index.match(prompt_ids, prompt_text, self._records)
 
     def begin_turn(self, session_id: str, known: str | None = None) -> Claim:
-        """Claim the session's handle for one turn. Always returns a lease to end.
+        """Claim the session's handle for one turn. Returns a lease to end, except when
+        the turn is refused (`Claim.retry_after_s`: a new session past its tenant's limit
+        of live sessions; nothing was opened or claimed).
 
         `known`: the request id of the handle of the conversation the caller already holds
         (the turn it stored last); if that is the stored one, it is not sent back."""
@@ -168,11 +170,19 @@ class HandleStore:
         now = self._clock()
         record = self._records.get(session_id)
         handle, reason, remaining = None, None, None
+        tenant = tenant_of(session_id)
         if record is None:
+            wait = self._shares.refusal(tenant, session_id, now, self._ttl)
+            if wait is not None:
+                # The tenant has its maximum of live sessions: no lease, nothing claimed.
+                self.counts[StoreEvent.SESSIONS_REFUSED] += 1
+                self.tenant_counts[(tenant, TenantEvent.SESSIONS_REFUSED)] += 1
+                return Claim(0, session_id, None, None, retry_after_s=wait)
             reason = Miss.NO_CONVERSATION
+            self._shares.touch(tenant, session_id, now)
         else:
             self._records.move_to_end(session_id)
-            self._shares.touch(tenant_of(session_id), session_id)
+            self._shares.touch(tenant, session_id, now)
             if record.state is HandleState.STORED:
                 handle = record.handle
                 self._transition(record, HandleState.CLAIMED)
@@ -262,8 +272,7 @@ class HandleStore:
         record = Record(conversation, now, now + self._ttl)
         self._index.keys(record, old, base)
         self._records[session_id] = record
-        tenant = tenant_of(session_id)
-        self._shares.touch(tenant, session_id)
+        self._shares.touch(tenant_of(session_id), session_id, now)
         self._bytes += record.nbytes
         self._index.add(record)
         if record.handle is None:
@@ -272,10 +281,6 @@ class HandleStore:
             self._transition(record, HandleState.STORED)
             self.counts[StoreEvent.STORED] += 1
             self._enforce_budget(record.handle.engine_id)
-        while (oldest := self._shares.over_session_limit(tenant)) is not None and oldest != session_id:
-            self._evict(self._records[oldest])
-            self.counts[StoreEvent.SESSIONS_EVICTED_FOR_TENANT_LIMIT] += 1
-            self.tenant_counts[(tenant, TenantEvent.SESSIONS_EVICTED)] += 1
         while self._records and (len(self._records) > self._max_sessions or self._bytes > self._max_bytes):
             if len(self._records) <= self._max_sessions:
                 self.counts[StoreEvent.EVICTED_FOR_BYTES] += 1

@@ -147,19 +147,29 @@ def test_weights_set_the_shares():
     assert (tenants[A]["pinned_blocks"], tenants[B]["pinned_blocks"]) == (60, 20)
 
 
-def test_a_tenants_session_limit_forgets_its_least_recently_used():
-    s = store(tenant_max_sessions={A: 2})
+def test_a_tenant_at_its_live_session_limit_is_refused_a_new_one_until_one_goes_idle():
+    """`max_sessions` bounds live sessions (used within the handle TTL, 100 s here): a new
+    one past it is refused with the wait, claiming and storing nothing; the tenant's
+    sessions that are live go on, other tenants are not limited, and a session idle past
+    the window frees its place (it stays kept: its next turn continues it)."""
+    now = [1000.0]
+    s = store(tenant_max_sessions={A: 2}, clock=lambda: now[0])
     put(s, A + "a0", 1)
+    now[0] += 30
     put(s, A + "a1", 1)
-    put(s, B + "b0", 1)
-    has_handle(s, A + "a0")  # a0 used: a1 is now A's least recently used
+    refused = s.begin_turn(A + "a2")
+    assert refused.retry_after_s == pytest.approx(70.0) and refused.handle is None
+    assert s.stats()["open_leases"] == 0 and A + "a2" not in s._records
+    assert s.stats()["tenants"][A]["sessions_refused"] == 1 and s.counts["sessions_refused"] == 1
+    assert has_handle(s, A + "a0")  # a live session of the tenant goes on
+    put(s, B + "b0", 1)  # another tenant is not limited by A's sessions
+    now[0] += 90  # a0 and a1 were last used 90 s ago: still live
+    assert s.begin_turn(A + "a2").retry_after_s == pytest.approx(10.0)
+    now[0] += 11  # both idle past the window now
     put(s, A + "a2", 1)
-    tenants = s.stats()["tenants"]
-    assert tenants[A]["sessions"] == 2 and tenants[A]["sessions_evicted"] == 1 and tenants[B]["sessions"] == 1
-    released = s.take_releases()
-    assert [r.reason.value for r in released] == ["unused", "evicted"]  # a0 claimed unread; a1 forgotten
-    claim = s.begin_turn(A + "a1")
-    assert claim.miss_reason == "no_conversation"
+    assert s.stats()["tenants"][A]["sessions"] == 3  # idle ones stay kept
+    claim = s.begin_turn(A + "a1")  # and an idle session's next turn continues it (its
+    assert claim.retry_after_s is None and claim.conversation is not None  # handle expired)
 
 
 def test_shares_victim_is_the_tenant_most_over_its_weighted_share():

@@ -1256,3 +1256,17 @@ async def test_every_engine_request_of_a_turn_carries_its_tenants_cache_salt(mod
     await rig.turn(text=P1 + text1 + USER2, cache_salt="salt-a")
     requests = rig.engines.prefill_requests + [r for r, _ in rig.engines.decode_requests]
     assert len(requests) == 5 and {r.cache_salt for r in requests} == {"salt-a"}
+
+
+async def test_a_new_session_past_the_tenants_live_limit_is_a_429_with_nothing_claimed(model_dir):
+    rig = Rig(model_dir)
+    rig.store.inner._shares._max_sessions[""] = 1  # the one tenant of a deployment without keys
+    await rig.turn(text=P1, session="s1")
+    with pytest.raises(APIError) as refused:
+        await rig.turn(text=P1, session="s2")
+    assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
+    assert 1 <= int(refused.value.headers["Retry-After"]) <= 60
+    assert [session for session, _, _ in rig.store.ended] == ["s1"]  # no lease to end for s2
+    assert len(rig.engines.decode_requests) == 1  # nothing was computed for it
+    _, _, again = await rig.turn(text=P1, session="s1")  # the live session goes on
+    assert again.session_id == "s1"
