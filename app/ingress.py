@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,9 +30,11 @@ from app.config import AppConfig
 from app.errors import APIError, as_api_error, client_error, error_body
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.quotas import Quotas
+from app.responses import ResponseShaper, sse
 from app.routing import LiveReplicas
 from app.tokenizer import HFTokenizer
-from app.turns import Delta, TurnInput, TurnResult, Turns
+from app.turn_model import Delta, TurnInput, TurnResult
+from app.turns import Turns
 from app.wire import ReplicaQuery, Sampling
 from connector.actor import StoreClient, StoreUnavailable
 
@@ -112,6 +112,7 @@ class Ingress:
         self._decode = decode
         self._tok = HFTokenizer(cfg.tokenizer or cfg.model)
         self._parsers = openai_api.OutputParsers(cfg, self._tok.hf)
+        self._shaper = ResponseShaper(cfg.model_name, self._parsers.auto_tools)
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
@@ -215,7 +216,7 @@ class Ingress:
                 # engine refusing the request) answers with its status, not in-stream.
                 chunks = self._chunks(kind, body, prepared)
                 first = await anext(chunks)
-                return StreamingResponse(self._sse(first, chunks), media_type="text/event-stream")
+                return StreamingResponse(sse(first, chunks), media_type="text/event-stream")
             result = await self._collect(kind, body, prepared)
             return JSONResponse(
                 result, headers={self._cfg.sessions.session_header: result["kvturn"]["session_id"]}
@@ -405,36 +406,13 @@ class Ingress:
         except Exception:
             logger.exception("turn metrics failed")
 
-    @staticmethod
-    def _usage(result: TurnResult) -> dict:
-        return {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-        }
-
-    @staticmethod
-    def _reuse(result: TurnResult) -> dict:
-        """Extension field: the session (send it back as the session header) and how the
-        turn reused KV."""
-        return {
-            "session_id": result.session_id,
-            "decode_replica": result.decode_replica,
-            "reused_from_decode": result.reused_from_decode,
-            "miss_reason": result.miss_reason,
-            "spliced": result.spliced,
-            "timings": result.timings,
-        }
-
     async def _collect(self, kind: str, body, prepared: _Prepared) -> dict:
-        turn = prepared.turn
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list | None = [] if body.requested_logprobs is not None else None
         result: TurnResult | None = None
         with self._admitted(prepared):
-            async for event in self._turns.run(turn):
+            async for event in self._turns.run(prepared.turn):
                 if isinstance(event, Delta):
                     texts.append(event.text)
                     token_ids.extend(event.token_ids)
@@ -444,125 +422,21 @@ class Ingress:
                     result = event
         assert result is not None  # a turn ends with its `TurnResult`
         self._record_turn(result, body, prepared.tenant)
-        text = "".join(texts)
-        if kind == "chat.completion":
-            message, called = openai_api.chat_message(
-                prepared.parser, self._parsers.auto_tools, body, text, token_ids
-            )
-            reason = openai_api.finish_reason(result.finish_reason, called)
-            choice = {
-                "index": 0,
-                "message": message,
-                "finish_reason": reason,
-                "logprobs": openai_api.chat_logprobs(logprobs),
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "finish_reason": result.finish_reason,
-                "logprobs": openai_api.completion_logprobs(logprobs),
-            }
-        response = {
-            "id": turn.request_id,
-            "object": kind,
-            "created": int(time.time()),
-            "model": self._cfg.model_name,
-            "choices": [choice],
-            "usage": self._usage(result),
-            "kvturn": self._reuse(result),
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = token_ids
-            response["prompt_token_ids"] = list(result.prompt_token_ids)
-        return response
+        return self._shaper.response(
+            kind, body, prepared.turn, prepared.parser, "".join(texts), token_ids, logprobs, result
+        )
 
     async def _chunks(self, kind: str, body, prepared: _Prepared) -> AsyncIterator[dict]:
         """OpenAI chunks of a turn. The turn's first event is awaited before the first
         chunk, so errors raised before the answer starts reach the caller first."""
-        turn = prepared.turn
-        chat = kind == "chat.completion"
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        created = int(time.time())
-        stream = openai_api.ChatStream(prepared.parser, body, turn.prompt_ids) if chat else None
-
-        def envelope(choices: list, **extra) -> dict:
-            return {
-                "id": turn.request_id,
-                "object": chunk_kind,
-                "created": created,
-                "model": self._cfg.model_name,
-                "choices": choices,
-                **extra,
-            }
-
         with self._admitted(prepared):
-            events = self._turns.run(turn)
-            first = await anext(events)
-            if chat:
-                yield envelope(
-                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
-            async for chunk in self._stream_chunks(first, events, body, prepared, stream, envelope):
+            events = self._turns.run(prepared.turn)
+            record = lambda result: self._record_turn(result, body, prepared.tenant)  # noqa: E731
+            async for chunk in self._shaper.chunks(
+                kind, body, prepared.turn, prepared.parser, events, record
+            ):
                 yield chunk
 
     def _admitted(self, prepared: _Prepared):
         """The tenant's quotas for this turn (`app.quotas`): a 429 before anything runs."""
         return self._quotas.admit(prepared.tenant, len(prepared.turn.prompt_ids or ()))
-
-    async def _stream_chunks(
-        self, first, events, body, prepared: _Prepared, stream, envelope
-    ) -> AsyncIterator[dict]:
-        chat = stream is not None
-        offset = 0
-
-        async def all_events():
-            yield first
-            async for event in events:
-                yield event
-
-        async for event in all_events():
-            if isinstance(event, Delta):
-                if chat:
-                    delta = stream.delta(event.text, event.token_ids)
-                    if delta is None and not event.logprobs and not body.return_token_ids:
-                        continue
-                    choice = {"index": 0, "delta": delta or {}, "finish_reason": None}
-                    if event.logprobs is not None:
-                        choice["logprobs"] = openai_api.chat_logprobs(event.logprobs)
-                else:
-                    choice = {"index": 0, "text": event.text, "finish_reason": None}
-                    if event.logprobs is not None:
-                        choice["logprobs"] = openai_api.completion_logprobs(event.logprobs, offset)
-                    offset += len(event.text)
-                if body.return_token_ids:
-                    choice["token_ids"] = list(event.token_ids)
-                yield envelope([choice])
-                continue
-            self._record_turn(event, body, prepared.tenant)
-            if chat:
-                tail = stream.delta("", (), finished=True)
-                if tail:
-                    yield envelope([{"index": 0, "delta": tail, "finish_reason": None}])
-                last = {
-                    "index": 0,
-                    "delta": {},
-                    "finish_reason": openai_api.finish_reason(event.finish_reason, stream.called_tools),
-                }
-            else:
-                last = {"index": 0, "text": "", "finish_reason": event.finish_reason}
-            extra = {"prompt_token_ids": list(event.prompt_token_ids)} if body.return_token_ids else {}
-            yield envelope([last], kvturn=self._reuse(event), **extra)
-            if body.include_usage:
-                yield envelope([], usage=self._usage(event))
-
-    async def _sse(self, first: dict, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-        """Server-sent events of the chunks; an error after the stream started is an
-        OpenAI-style error event, then `[DONE]`."""
-        try:
-            yield f"data: {json.dumps(first)}\n\n"
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except Exception as exc:  # headers are sent: report the error in-stream
-            yield f"data: {json.dumps(error_body(exc)[1])}\n\n"
-        yield "data: [DONE]\n\n"

@@ -1,137 +1,46 @@
-"""One turn of a conversation, end to end: the orchestration the ingress runs.
+"""One turn of a conversation, end to end: the orchestration the ingress runs. `Turns.run`
+follows the flow, one step a call:
 
-    session   -> which conversation is this? (header, or prompt-token match)
-    prompt    -> token ids (re-using the ids generated last turn: token-in/token-out)
-    handle    -> claim the decode engine's KV of the last turn, verify it token by token,
-                 cap it to the common prefix
-    prefill   -> pull that KV from decode, compute only the rest, keep the result
-    decode    -> read back only what it lacks (prefers the session's replica), stream
-    store     -> keep the decode engine's new handle with the exact token sequence
+    session   `_resolve_session`: which conversation (header, or prompt-token match);
+              claim its KV handle from the store (a new session past its tenant's live
+              limit is refused here)
+    prompt    `_prompt_ids`: token ids, re-using the ids generated last turn
+              (token-in/token-out); `_fit`: the context length
+    handle    `_verified_history`: verify the claimed handle token by token, cap it to
+              the common prefix, or say why not (`app.events.MissReason`)
+    route     `_decode_local` (`app.pacing`): the session's decode replica alone, or P/D
+    prefill   `Legs.prefill` (`app.legs`): pull that KV from decode, compute the rest
+    decode    `Legs.decode`: read back only what it lacks, stream (another replica if one
+              fails before the client saw output)
+    store     `_conversation` + the store's `end_turn`: keep the decode engine's new handle
+              with the exact token sequence, settle the old one
 
 Every fallback (no handle, expired, mismatched, replica gone, failed pull) recomputes and
-answers normally; each is counted in `TurnCounters`. Engines are reached through the
-`EngineClients` seam, the store through `StoreClient`, so unit tests run this real logic
-with fakes.
+answers normally; each is counted (`app.events.TurnCount`). Engines and the store are
+reached through the seams in `app.turn_model`, so unit tests run this real logic with fakes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal
 
 from app.config import AppConfig, Mode
 from app.errors import APIError, DecodeFailed, RateLimited
 from app.events import MissReason, TurnCount
-from app.memory import DecodeMemory, DecodeMemoryClients, MemoryStore
+from app.legs import Legs, Restart
+from app.memory import DecodeMemory
 from app.pacing import LegPace, LocalLeg, decode_local_reason
+from app.turn_model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.wire import EngineChunk, EngineRequest, Sampling
-from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
+from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def piece(self, token_id: int) -> str:
-        """The text of one special token, as a chat template writes it."""
-        ...
-
-
-class EngineClients(DecodeMemoryClients, Protocol):
-    """How the orchestration reaches engine replicas (Serve handles in production), the
-    decode-memory calls of `app.memory` included."""
-
-    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]: ...
-
-    def decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]: ...
-
-    def decode_alive(self, replica_id: str) -> bool | None: ...
-
-
-class Store(MemoryStore, Protocol):
-    """The handle store (`connector.actor.StoreClient` in production), with the
-    decode-memory hooks of `app.memory`."""
-
-    async def match(
-        self, prompt_ids: Sequence[int], prompt_text: str | None = None
-    ) -> tuple[str | None, int]: ...
-
-    async def begin_turn(self, session_id: str) -> Claim: ...
-
-    async def end_turn(
-        self,
-        claim: Claim,
-        outcome: TurnOutcome,
-        conversation: Conversation | None,
-        engine_blocks: int | None = None,
-    ) -> None: ...
-
-    async def drop_engine(self, engine_id: str) -> int: ...
-
-
-@dataclass(frozen=True)
-class TurnInput:
-    request_id: str
-    sampling: Sampling
-    session_id: str | None = None
-    prompt_text: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    max_tokens_given: bool = True
-    namespace: str = ""
-    """Tenant prefix of session ids (`app.auth`): `session_id` already carries it; new
-    sessions get it and sessionless matches stay inside it. Results show ids without it."""
-    cache_salt: str | None = None
-    """The tenant's prefix-cache salt (`app.auth.Tenant.salt_for`), on every engine request
-    of the turn: cached prefixes only ever hit within one tenant."""
-    stream: bool = True
-    """The client sees the answer as it is generated. A turn that does not stream gets
-    its deltas at the end, so a decode replica that fails midway costs a recompute on
-    another replica, not an error."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple | None = None
-    """The engine's `TokenLogprob`s of these tokens, when the request asked for them."""
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """The end of a turn: what the client is told, and the reuse facts behind it."""
-
-    session_id: str
-    finish_reason: str
-    prompt_token_ids: tuple[int, ...]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    reused_from_decode: int
-    """Positions of the history offered to prefill from the decode engine (after capping)."""
-    miss_reason: str | None
-    spliced: bool
-    decode_replica: str | None
-    timings: dict[str, float] | None = None
-    """Where the time to first token went. Milestones, in seconds from the turn's start:
-    `store_s` (session resolved: the store's round trip), `session_s` (handle verified
-    against the prompt), `prefill_s` (prefill leg back at the ingress, P/D only),
-    `first_token_s` (first output from decode). The engines' own spans, from vLLM's
-    request stats: `prefill_engine_s` / `decode_engine_s` (arrival at the engine to its
-    first token; decode's includes reading the KV it lacks) and their `*_queue_s` parts.
-    What `first_token_s` has beyond `session_s` and the two engine spans is transport
-    (Serve calls, scheduling, serialization)."""
-
-
-TurnEvent = Delta | TurnResult
 
 
 class Turns:
@@ -147,6 +56,7 @@ class Turns:
         self.local_pace: dict[str, LegPace] = {}
         """Per decode replica: the turns it computes alone (`_decode_local`)."""
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
+        self._legs = Legs(cfg, clients, self.counts, self.pace)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
         started = time.monotonic()
@@ -171,7 +81,7 @@ class Turns:
                 if local == "busy":
                     self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
             elif self._cfg.disaggregated:
-                decode_params, cached, pull_ok = await self._prefill(
+                decode_params, cached, pull_ok = await self._legs.prefill(
                     turn, prompt_ids, history, pin_deadline, timings
                 )
                 timings["prefill_s"] = time.monotonic() - started
@@ -206,8 +116,8 @@ class Turns:
                 return not sent
 
             try:
-                async for item in self._decode(request, can_restart=can_restart):
-                    if isinstance(item, _Restart):
+                async for item in self._legs.decode(request, can_restart=can_restart):
+                    if isinstance(item, Restart):
                         # Another replica computes the prompt (and, if output had begun,
                         # the whole answer) again: nothing of the failed attempt is kept.
                         generated.clear()
@@ -416,157 +326,6 @@ class Turns:
             pace = self.local_pace[replica] = LegPace()
         return pace
 
-    async def _prefill(
-        self,
-        turn: TurnInput,
-        prompt_ids,
-        history: KVHandle | None,
-        pin_deadline: float | None = None,
-        timings: dict[str, float] | None = None,
-    ) -> tuple[dict | None, int, bool]:
-        """Run the prefill leg. Returns params for decode (None: decode computes all),
-        the prompt tokens prefill did not compute, and whether the offered history was read.
-        The engine's own times of the leg that answered go into `timings`.
-
-        A leg that pulls history gets a deadline (`LegPace.deadline`: the pull's
-        `transfer.pull_timeout_s` on top of the compute expected here); past it the call
-        is cancelled (the server aborts the engine request) and prefill recomputes. The
-        deadline never passes `pin_deadline`, when the decode engine's pin ends (counted
-        as `pull_deadline` rather than `pull_timeout` when that is what cut it)."""
-        request = EngineRequest(
-            request_id=turn.request_id + "-prefill",
-            prompt_token_ids=prompt_ids,
-            sampling=Sampling(max_tokens=1, temperature=0.0),
-            kv_params=prefill_params(history),
-            cache_salt=turn.cache_salt,
-        )
-        new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
-        # Every leg has a deadline: a pool with no live replica (all restarting) must not
-        # hold the turn; decode can always compute the prompt itself.
-        t = self._cfg.transfer
-        timeout, by_pin = (
-            self.pace.deadline(new_tokens, t.pull_timeout_s if history is not None else t.prefill_timeout_s),
-            False,
-        )
-        if history is not None and pin_deadline is not None and pin_deadline - time.monotonic() < timeout:
-            timeout, by_pin = max(0.0, pin_deadline - time.monotonic()), True
-        final: EngineChunk | None
-        try:
-            final = await self._paced_prefill(request, new_tokens, timeout)
-        except TimeoutError:
-            if history is None:  # nothing to recompute without: decode computes the prompt
-                self.counts[TurnCount.PREFILL_TIMEOUT] += 1
-                self.counts[TurnCount.PREFILL_SKIPPED] += 1
-                return None, 0, False
-            self.counts[TurnCount.PULL_DEADLINE if by_pin else TurnCount.PULL_TIMEOUT] += 1
-            final = await self._recompute_prefill(request)
-            history = None
-            pull_ok = False
-        except Exception as exc:  # the replica or its engine failed (not a timeout)
-            self.counts[TurnCount.PREFILL_FAILED] += 1
-            logger.warning("prefill leg %s failed, retrying without history: %r", request.request_id, exc)
-            final = await self._recompute_prefill(request)
-            pull_ok = False
-        else:
-            pull_ok = history is None or final.num_cached_tokens + self._cfg.block_size > history.num_tokens
-            if not pull_ok:
-                # Prefill's recompute policy took over: the pull failed.
-                self.counts[TurnCount.PULL_SHORT] += 1
-        if final is None:  # prefill failed twice: decode computes the whole prompt
-            return None, 0, False
-        if timings is not None and final.engine_timings:
-            timings["prefill_queue_s"] = final.engine_timings["queue_s"]
-            timings["prefill_engine_s"] = final.engine_timings["first_token_s"]
-        try:
-            return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
-        except WireError:
-            self.counts[TurnCount.PREFILL_NO_HANDLE] += 1
-            return None, final.num_cached_tokens, pull_ok
-
-    async def _recompute_prefill(self, failed: EngineRequest) -> EngineChunk | None:
-        """Run a failed or late prefill leg again, without history (Serve's router picks a
-        replica, a dead one no longer among them). None if this fails too: the turn then
-        goes to decode without transfer params (counted as `prefill_skipped`)."""
-        retry = dataclasses.replace(
-            failed, request_id=failed.request_id + "-recompute", kv_params=prefill_params(None)
-        )
-        new_tokens = len(retry.prompt_token_ids)
-        try:
-            return await self._paced_prefill(
-                retry, new_tokens, self.pace.deadline(new_tokens, self._cfg.transfer.prefill_timeout_s)
-            )
-        except Exception as exc:  # a timeout included
-            self.counts[TurnCount.PREFILL_SKIPPED] += 1
-            logger.warning("prefill retry %s failed, decode computes the prompt: %r", retry.request_id, exc)
-            return None
-
-    async def _paced_prefill(
-        self, request: EngineRequest, new_tokens: int, timeout: float | None = None
-    ) -> EngineChunk:
-        """One prefill call, counted in the pace: its `new_tokens` are in flight while it
-        runs, and a call that finishes updates the seconds per computed token."""
-        ahead = self.pace.tokens_in_flight
-        self.pace.tokens_in_flight += new_tokens
-        started = time.monotonic()
-        try:
-            final, _ = await asyncio.wait_for(self._clients.prefill(request), timeout)
-        finally:
-            self.pace.tokens_in_flight -= new_tokens
-        self.pace.observe(
-            len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead
-        )
-        return final
-
-    async def _decode(
-        self, request: EngineRequest, can_restart: Callable[[], bool] = lambda: False
-    ) -> AsyncIterator[tuple[EngineChunk, str] | _Restart]:
-        """Stream from decode, on up to `DECODE_ATTEMPTS` replicas.
-
-        A replica that fails before the client saw any output (`can_restart()`: before
-        the first delta of a streamed turn, at any point of one that does not stream)
-        is avoided and the turn goes to another replica, which computes the prompt
-        itself (`local_decode_params`: the prefill engine's blocks may already be gone
-        to the failed reader, and a second read of freed blocks would load wrong KV). A
-        `_Restart` tells the caller to drop what the failed attempt produced. A replica
-        that fails after output reached the client, or on every attempt, ends the turn
-        with a 502 `APIError` (`decode_failed`); the session's next turn recomputes."""
-        avoid: list[str] = []
-        attempt = request
-        for tries in range(1, DECODE_ATTEMPTS + 1):
-            produced, replica = False, attempt.preferred_replica
-            try:
-                async for item in self._clients.decode(attempt):
-                    produced, replica = True, item[1]
-                    yield item
-                return
-            except APIError:
-                raise
-            except Exception as exc:
-                if not can_restart() or tries == DECODE_ATTEMPTS:
-                    self.counts[TurnCount.DECODE_FAILED] += 1
-                    logger.warning("decode %s failed: %r", attempt.request_id, exc)
-                    raise DecodeFailed(replica) from exc
-                self.counts[TurnCount.DECODE_RETRIED] += 1
-                if produced:
-                    self.counts[TurnCount.DECODE_RESTARTED] += 1
-                logger.warning(
-                    "decode %s failed on %s, computing the turn on another replica: %r",
-                    attempt.request_id,
-                    replica,
-                    exc,
-                )
-            if replica and replica not in avoid:
-                avoid.append(replica)
-            yield _Restart()
-            attempt = dataclasses.replace(
-                request,
-                request_id=f"{request.request_id}-retry{tries}",
-                preferred_replica=None,
-                avoid_replicas=tuple(avoid),
-                kv_params=local_decode_params() if self._cfg.reuses_kv else None,
-            )
-            await asyncio.sleep(DECODE_RETRY_PAUSE_S * tries)  # Serve learns of a dead replica
-
     def _conversation(
         self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica
     ) -> Conversation:
@@ -594,17 +353,6 @@ class Turns:
             # The stop/EOS token is in the ids but not in the text the client receives.
             suffix = self._tok.piece(generated[-1])
         return turn.prompt_text + text + suffix
-
-
-@dataclass(frozen=True)
-class _Restart:
-    """From `Turns._decode`: the attempt so far failed; another replica starts over."""
-
-
-DECODE_ATTEMPTS = 3
-"""Decode replicas a turn tries before it fails (each after the last failed before output)."""
-DECODE_RETRY_PAUSE_S = 0.2
-"""Pause before the n-th retry, times n: Serve's routers drop a dead replica within it."""
 
 
 logger = logging.getLogger("ray.serve")

@@ -22,9 +22,11 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from app.config import AppConfig
+from app.legs import DECODE_ATTEMPTS
 from app.pacing import LegPace
 from app.protocol import APIError
-from app.turns import DECODE_ATTEMPTS, Delta, TurnInput, TurnResult, Turns
+from app.turn_model import Delta, TurnInput, TurnResult
+from app.turns import Turns
 from app.wire import EngineChunk, EngineRequest, Sampling
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome

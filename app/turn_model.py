@@ -1,0 +1,115 @@
+"""What a turn takes and gives, and the seams it reaches the rest through.
+
+`TurnInput` (built by the ingress from a request), the events `Turns.run` yields (`Delta`,
+then one `TurnResult`), and the protocols of what the pipeline calls: `Tokenizer`,
+`EngineClients` (the engine replicas; `app.clients.ServeEngineClients` in production) and
+`Store` (the handle store; `connector.actor.StoreClient`). Unit tests run the real
+pipeline against fakes of these. No vLLM, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.memory import DecodeMemoryClients, MemoryStore
+from app.wire import EngineChunk, EngineRequest, Sampling
+from connector.store import Claim, Conversation, TurnOutcome
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def piece(self, token_id: int) -> str:
+        """The text of one special token, as a chat template writes it."""
+        ...
+
+
+class EngineClients(DecodeMemoryClients, Protocol):
+    """How the orchestration reaches engine replicas (Serve handles in production), the
+    decode-memory calls of `app.memory` included."""
+
+    async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]: ...
+
+    def decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]: ...
+
+    def decode_alive(self, replica_id: str) -> bool | None: ...
+
+
+class Store(MemoryStore, Protocol):
+    """The handle store (`connector.actor.StoreClient` in production), with the
+    decode-memory hooks of `app.memory`."""
+
+    async def match(
+        self, prompt_ids: Sequence[int], prompt_text: str | None = None
+    ) -> tuple[str | None, int]: ...
+
+    async def begin_turn(self, session_id: str) -> Claim: ...
+
+    async def end_turn(
+        self,
+        claim: Claim,
+        outcome: TurnOutcome,
+        conversation: Conversation | None,
+        engine_blocks: int | None = None,
+    ) -> None: ...
+
+    async def drop_engine(self, engine_id: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class TurnInput:
+    request_id: str
+    sampling: Sampling
+    session_id: str | None = None
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    max_tokens_given: bool = True
+    namespace: str = ""
+    """Tenant prefix of session ids (`app.auth`): `session_id` already carries it; new
+    sessions get it and sessionless matches stay inside it. Results show ids without it."""
+    cache_salt: str | None = None
+    """The tenant's prefix-cache salt (`app.auth.Tenant.salt_for`), on every engine request
+    of the turn: cached prefixes only ever hit within one tenant."""
+    stream: bool = True
+    """The client sees the answer as it is generated. A turn that does not stream gets
+    its deltas at the end, so a decode replica that fails midway costs a recompute on
+    another replica, not an error."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple | None = None
+    """The engine's `TokenLogprob`s of these tokens, when the request asked for them."""
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """The end of a turn: what the client is told, and the reuse facts behind it."""
+
+    session_id: str
+    finish_reason: str
+    prompt_token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reused_from_decode: int
+    """Positions of the history offered to prefill from the decode engine (after capping)."""
+    miss_reason: str | None
+    spliced: bool
+    decode_replica: str | None
+    timings: dict[str, float] | None = None
+    """Where the time to first token went. Milestones, in seconds from the turn's start:
+    `store_s` (session resolved: the store's round trip), `session_s` (handle verified
+    against the prompt), `prefill_s` (prefill leg back at the ingress, P/D only),
+    `first_token_s` (first output from decode). The engines' own spans, from vLLM's
+    request stats: `prefill_engine_s` / `decode_engine_s` (arrival at the engine to its
+    first token; decode's includes reading the KV it lacks) and their `*_queue_s` parts.
+    What `first_token_s` has beyond `session_s` and the two engine spans is transport
+    (Serve calls, scheduling, serialization)."""
+
+
+TurnEvent = Delta | TurnResult
