@@ -24,6 +24,7 @@ from app.wire import (
     TokenLogprob,
 )
 from connector import release, vllm_plugin
+from connector.patching import Unsupported, require, require_set_in_init
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -219,6 +220,8 @@ class VLLMEngine:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_api()
+
         self.cpu_plan = self._size_cpu()
         apply_env(
             plugin_env(self._cfg.transfer, self._role, transfer=self._transfer, cpu=self.cpu_plan is not None)
@@ -389,6 +392,33 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def check_vllm_api() -> None:
+    """Raise `connector.patching.Unsupported` naming what the installed vLLM lacks of the
+    private API this adapter reads: the engine core's utility call (block counts), the
+    scheduler's and iteration stats behind the reuse counts, and the request stats behind
+    the engine timings. Called by `VLLMEngine.start`: a vLLM that changed them stops the
+    replica with a clear message instead of counting nothing."""
+    import dataclasses
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import AsyncMPClient
+    from vllm.v1.metrics import stats
+
+    require_set_in_init(AsyncLLM, "engine_core")
+    require(AsyncMPClient, "call_utility_async")
+    require_set_in_init(stats.IterationStats, "prompt_token_stats", "finished_requests")
+    for cls, names in (
+        (stats.SchedulerStats, ("kv_cache_usage", "num_running_reqs")),
+        (stats.PromptTokenStats, ("computed", "local_cache_hit", "external_kv_transfer", "total")),
+        (stats.RequestStateStats, ("first_token_ts", "scheduled_ts", "queued_ts", "first_token_latency")),
+    ):
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        fields |= set(getattr(cls, "__annotations__", {})) | set(dir(cls))
+        missing = [n for n in names if n not in fields]
+        if missing:
+            raise Unsupported(f"{cls.__name__} has no {', '.join(map(repr, missing))}")
 
 
 def _engine_timings(stats) -> dict[str, float] | None:

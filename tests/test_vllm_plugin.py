@@ -535,3 +535,20 @@ def test_plugin_env_per_engine_kind():
     finally:
         os.environ.pop(vllm_plugin.ENV_WORKER_SPIN_MS, None)
         os.environ.pop(vllm_plugin.ENV_WORKER_INFO, None)
+
+
+def test_the_installed_vllm_has_the_private_api_the_engine_adapter_reads(monkeypatch):
+    from vllm.v1.metrics import stats
+
+    from app.engine import check_vllm_api
+    from connector.patching import Unsupported
+
+    check_vllm_api()  # raises Unsupported naming what is missing
+
+    class OlderStats:  # a vLLM whose request stats lost a field the timings read
+        first_token_ts = 0.0
+        queued_ts = 0.0
+
+    monkeypatch.setattr(stats, "RequestStateStats", OlderStats)
+    with pytest.raises(Unsupported, match="scheduled_ts"):
+        check_vllm_api()
