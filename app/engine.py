@@ -7,13 +7,17 @@ the plugin's environment). With `app.protocol` (vLLM's request models) and
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
-from app.registry import NodeRegistry
+from app.config import AppConfig, EngineRoleConfig
+from app.engine_setup import (
+    apply_env,
+    engine_args,
+    plugin_env,
+    reserve_port_block,
+)
 from app.sizing import CpuPlan
 from app.wire import (
     EngineChunk,
@@ -28,177 +32,6 @@ from connector.patching import Unsupported, require, require_set_in_init
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
-
-
-_PORT_REGISTRY = "/tmp/kvturn-side-channel-ports"
-
-
-def _bindable(port: int, width: int) -> bool:
-    socks = []
-    try:
-        for offset in range(width):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind(("", port + offset))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
-
-
-def reserve_port_block(start: int, width: int, registry: str = _PORT_REGISTRY) -> int:
-    """Reserve [port, port + width) for this process's NIXL side channel on this node.
-
-    Replicas on one node start at the same time, so a plain "is it free?" check races:
-    reservations go through a node-local registry (`app.registry`). vLLM adds the TP rank
-    to the base port.
-    """
-
-    def pick(taken: set[int]) -> list[int] | None:
-        port = start
-        while port + width < 65535:
-            block = list(range(port, port + width))
-            if not taken.intersection(block) and _bindable(port, width):
-                return block
-            port += width
-        return None
-
-    block = NodeRegistry(registry).reserve(pick)
-    if not block:
-        raise RuntimeError(f"no free port block of width {width} from {start}")
-    return block[0]
-
-
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def engine_dtype(dtype: str, *, on_cpu: bool) -> str:
-    """The dtype an engine runs. vLLM's `auto` turns a float32 checkpoint into bfloat16; on
-    CPU this app resolves `auto` to float32 instead: CPUs without AVX512-BF16 run bfloat16
-    far slower, and with 16-bit KV a turn computed over a pulled prefix can break a near-tie
-    differently from a fresh prefill. Any explicit dtype is kept."""
-    return "float32" if dtype == "auto" and on_cpu else dtype
-
-
-def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, transfer: bool):
-    """vLLM AsyncEngineArgs for one role. `transfer` adds the NixlConnector."""
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
-
-    kv_transfer_config = None
-    if transfer:
-        device = cfg.transfer.kv_buffer_device or ("cpu" if current_platform.is_cpu() else "cuda")
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_both",
-            kv_buffer_device=device,
-            engine_id=engine_id,
-            # Prefill answers normally when a pull fails; decode never fails a turn either.
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "backends": [cfg.transfer.backend],
-                "bidirectional_kv_xfer": cfg.mode is Mode.BIDIR,
-                "kv_recompute_threshold": cfg.transfer.recompute_threshold_tokens,
-                "decoder_kv_blocks_ttl": cfg.transfer.decoder_kv_blocks_ttl_s,
-            },
-        )
-        if cfg.transfer.host_offload_bytes:
-            if current_platform.is_cpu():
-                raise ValueError(
-                    "transfer.host_offload_bytes needs accelerator engines: "
-                    "on CPU the KV cache already is host memory"
-                )
-            kv_transfer_config = with_host_offload(kv_transfer_config, cfg.transfer.host_offload_bytes)
-    kwargs: dict[str, Any] = dict(
-        model=cfg.model,
-        tokenizer=cfg.tokenizer,
-        served_model_name=[cfg.model_name],
-        dtype=engine_dtype(cfg.dtype, on_cpu=current_platform.is_cpu()),
-        load_format=cfg.load_format,
-        max_model_len=cfg.max_model_len,
-        block_size=cfg.block_size,
-        enforce_eager=cfg.enforce_eager,
-        enable_prefix_caching=role.enable_prefix_caching,
-        tensor_parallel_size=role.tensor_parallel_size,
-        kv_transfer_config=kv_transfer_config,
-        disable_log_stats=False,
-    )
-    if role.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = role.kv_cache_memory_bytes
-    elif current_platform.is_cpu():
-        # On CPU vLLM otherwise reserves a fraction of all host RAM per engine, and the
-        # second engine on a machine refuses to start.
-        kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
-    kwargs.update(role.engine_kwargs)
-    return AsyncEngineArgs(**kwargs)
-
-
-def plugin_env(
-    transfer_cfg: TransferConfig, role: EngineRoleConfig, *, transfer: bool, cpu: bool
-) -> dict[str, str | None]:
-    """What `connector.vllm_plugin` and `connector.release` read in an engine's processes,
-    for an engine of `role` (None: unset the variable). Set by `VLLMEngine.start` before
-    vLLM spawns the engine core; `bench.prefill_cost` runs its engines with it too.
-
-    * `transfer` (an engine with the NixlConnector): NIXL's UCX progress thread polls with
-      a timeout instead of spinning, an idle engine holding blocks for transfer waits
-      instead of looping every millisecond, and early release is installed.
-    * `cpu` (a CPU engine): the worker reports its OpenMP threads and cores, and the step
-      queues' readers spin at most `role.cpu_spin_ms` (None: vLLM's own second).
-    * both: the NixlConnector leaves the cores of the thread that runs the model as the
-      app's sizing set them (it would pin every engine of a node to one core)."""
-    env: dict[str, str | None] = {}
-    if transfer:
-        env[vllm_plugin.ENV_IDLE_POLL_MS] = str(transfer_cfg.idle_poll_ms)
-        env[vllm_plugin.ENV_NIXL_PROGRESS_DELAY_US] = str(int(transfer_cfg.nixl_progress_poll_ms * 1000))
-        env[release.ENV_RELEASE] = "1"
-    if cpu:
-        env[vllm_plugin.ENV_WORKER_INFO] = "1"  # lets `VLLMEngine.cpu_in_use` ask the worker
-        env[vllm_plugin.ENV_WORKER_SPIN_MS] = None if role.cpu_spin_ms is None else str(role.cpu_spin_ms)
-        env[vllm_plugin.ENV_KEEP_CPU_AFFINITY] = "1" if transfer else None
-    return env
-
-
-def apply_env(env: dict[str, str | None]) -> None:
-    """Set (or, for None, unset) these variables in this process's environment."""
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def with_host_offload(nixl, host_bytes: int):
-    """`nixl`'s KVTransferConfig inside a MultiConnector beside vLLM's OffloadingConnector
-    (CPU tier of `host_bytes` per engine): blocks the engine frees (turns released early,
-    pins that expired) stay in its prefix cache in host DRAM and load back locally at the
-    next turn, instead of being recomputed or read over NIXL. NIXL stays first: its
-    transfer params are the ones the turn's handles carry."""
-    from vllm.config import KVTransferConfig
-
-    child = lambda config: {  # noqa: E731
-        "kv_connector": config.kv_connector,
-        "kv_role": config.kv_role,
-        "kv_buffer_device": config.kv_buffer_device,
-        "kv_load_failure_policy": config.kv_load_failure_policy,
-        "kv_connector_extra_config": dict(config.kv_connector_extra_config),
-    }
-    offload = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_bytes)},
-    }
-    return KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        engine_id=nixl.engine_id,
-        kv_buffer_device=nixl.kv_buffer_device,
-        kv_load_failure_policy=nixl.kv_load_failure_policy,
-        kv_connector_extra_config={"connectors": [child(nixl), offload]},
-    )
 
 
 class VLLMEngine:

@@ -164,7 +164,7 @@ def test_the_nixl_worker_keeps_the_cores_of_the_thread_that_creates_it():
 
 
 def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
-    from app.engine import engine_dtype
+    from app.engine_setup import engine_dtype
 
     # vLLM's `auto` would run the embedded float32 model in bfloat16 on CPU.
     assert engine_dtype("auto", on_cpu=True) == "float32"

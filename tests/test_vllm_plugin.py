@@ -501,12 +501,12 @@ def test_owner_gone_sees_a_dead_owner_or_a_new_parent():
 
 
 def test_plugin_env_per_engine_kind():
-    """What an engine's processes are started with (`app.engine.plugin_env`): the step-queue
+    """What an engine's processes are started with (`app.engine_setup.plugin_env`): the step-queue
     spin only on CPU engines, the transfer settings only on engines with the connector."""
     import os
 
     from app.config import EngineRoleConfig, TransferConfig
-    from app.engine import apply_env, plugin_env
+    from app.engine_setup import apply_env, plugin_env
     from connector import release
 
     role = EngineRoleConfig()
