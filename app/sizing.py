@@ -23,7 +23,7 @@ Binding (`cpu_binding`):
 Called once per engine replica, in the replica's process, before the engine starts; the
 result goes into the environment the engine's processes inherit. On GPU the same sizing
 bounds the host threads of each engine; accelerator memory is sized per role with
-`kv_cache_memory_bytes` / `engine_kwargs.gpu_memory_utilization` (see README).
+`kv_cache_memory_bytes` / `engine_kwargs.gpu_memory_utilization` (see docs/configuration.md).
 """
 
 from __future__ import annotations
