@@ -8,7 +8,11 @@ serve deploy serve.yaml                               # import_path: app:graph, 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
@@ -20,6 +24,7 @@ from app.ingress import Ingress
 from app.servers import DecodeServer, PrefillServer
 from connector.actor import SessionStore
 
+logger = logging.getLogger("ray.serve")
 _ROUTER = "app.routing.SessionAffinityRouter"
 
 
@@ -50,10 +55,11 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
 def bound_config(cfg: AppConfig) -> AppConfig:
     """The config the deployments' constructors get: replica counts left out (set to 1).
 
-    Serve restarts a deployment's replicas when its constructor arguments change, but
-    only adds or removes replicas when `num_replicas` alone changes. Counts live in each
-    deployment's options, so a redeploy with another count of one role scales that role
-    and leaves every other replica, and the KV it holds, running."""
+    Counts live in each deployment's options, and each deployment's version
+    (`versioned`) is a hash of this project's code and its constructor arguments: a
+    redeploy that changes only a role's count keeps every version, so Serve adds or
+    removes replicas of that role and leaves every other replica, and the KV it holds,
+    running. A change of code or of any other setting is a new version (a restart)."""
     one = {"num_replicas": 1}
     return cfg.model_copy(
         update={
@@ -64,29 +70,58 @@ def bound_config(cfg: AppConfig) -> AppConfig:
     )
 
 
+def code_fingerprint() -> str:
+    """A hash of this project's own modules (`app`, `connector`): a new release restarts
+    every replica even when its config is unchanged."""
+    import app
+    import connector
+
+    digest = hashlib.sha256()
+    for package in (app, connector):
+        for path in sorted(Path(str(package.__file__)).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def versioned(deployment, *constructor_args: Any):
+    """`deployment` with a version that changes exactly when the code or its constructor
+    arguments do. Serve's own default for `serve.run` is a random version per deploy
+    (every redeploy restarts every replica); setting one is Serve's internal option
+    (`_internal=True`), checked here: a Serve without it keeps its own versions."""
+    parameters = inspect.signature(deployment.options).parameters
+    if "version" not in parameters or "_internal" not in parameters:
+        logger.warning("Serve's deployment options have no version: any redeploy restarts every replica")
+        return deployment
+    version = hashlib.sha256((code_fingerprint() + repr(constructor_args)).encode()).hexdigest()[:20]
+    return deployment.options(version=version, _internal=True)
+
+
 def build(cfg: AppConfig) -> Application:
     """Bind the app graph for a validated config."""
     transfer = cfg.disaggregated
     bound = bound_config(cfg)
-    decode = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True).bind(
+    decode_deployment = _engine_deployment(DecodeServer, cfg, cfg.decode, sticky=True)
+    decode = versioned(decode_deployment, bound, "decode", transfer).bind(
         bound, bound.decode, transfer=transfer
     )
     prefill = None
     if cfg.mode is not Mode.SINGLE:
         sticky = cfg.sessions.prefill_routing == "sticky"
-        prefill = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky).bind(
-            bound, bound.prefill, transfer=True
-        )
+        prefill_deployment = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky)
+        prefill = versioned(prefill_deployment, bound, "prefill").bind(bound, bound.prefill, transfer=True)
     store = None
     if cfg.mode is not Mode.ONEWAY:
         # Part of the graph: its settings follow every deploy, and it goes with the app.
         placement = {"num_cpus": 0, "resources": dict(cfg.sessions.store_resources)}
-        store = SessionStore.options(ray_actor_options=placement).bind(store_settings(cfg))  # type: ignore[attr-defined]
+        settings = store_settings(cfg)
+        store_deployment = SessionStore.options(ray_actor_options=placement)  # type: ignore[attr-defined]
+        store = versioned(store_deployment, settings).bind(settings)
     ingress = Ingress.options(  # type: ignore[attr-defined]
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     )
+    ingress = versioned(ingress, bound, cfg.ingress.num_replicas)
     return ingress.bind(bound, prefill, decode, store, ingress_replicas=cfg.ingress.num_replicas)
 
 

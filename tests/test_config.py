@@ -220,3 +220,29 @@ def test_a_new_replica_count_changes_only_that_deployments_options(tmp_path):
         _, args_after, kwargs_after = after[name]
         plain = lambda args: [a for a in args if not hasattr(a, "_bound_deployment")]  # noqa: E731
         assert plain(args_before) == plain(args_after) and kwargs_before == kwargs_after, name
+
+
+def test_versions_change_with_settings_and_code_but_not_with_counts(tmp_path, monkeypatch):
+    """Serve restarts replicas whose version changed; `serve.run` alone would give every
+    deployment a new random version on every deploy."""
+    from app import builder
+
+    def versions(tree) -> dict:
+        app = builder.build(AppConfig.model_validate(tree))
+        out, todo = {}, [app]
+        while todo:
+            node = todo.pop()._bound_deployment
+            out[node.name] = node.version
+            todo += [
+                a for a in (*node.init_args, *node.init_kwargs.values()) if hasattr(a, "_bound_deployment")
+            ]
+        return out
+
+    base = {"model": str(tmp_path), "decode": {"num_replicas": 2}}
+    first = versions(base)
+    assert all(first.values()) and first == versions(base)  # stable across deploys
+    assert versions({**base, "decode": {"num_replicas": 1}}) == first
+    changed = versions({**base, "sessions": {"handle_ttl_s": 100}})
+    assert all(changed[name] != first[name] for name in first)  # every constructor gets the new config
+    monkeypatch.setattr(builder, "code_fingerprint", lambda: "another release")
+    assert all(v != first[k] for k, v in versions(base).items())
