@@ -27,7 +27,7 @@ from app import metrics, openai_api
 from app.auth import ApiKeys, Tenant, scoped
 from app.clients import ServeEngineClients, store_settings
 from app.config import AppConfig
-from app.errors import APIError, as_api_error, client_error, error_body
+from app.errors import APIError, NotFound, as_api_error, client_error, error_body
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.quotas import Quotas
 from app.responses import ResponseShaper, sse
@@ -57,7 +57,9 @@ api.add_exception_handler(StarletteHTTPException, lambda request, exc: _error_re
 
 def _handle_errors(method):
     """The handle methods' one error path: whatever fails reaches a `DeploymentHandle`
-    caller as the `APIError` an HTTP client would get as a body (status, type, code)."""
+    caller as the `APIError` an HTTP client would get as a body (status, type, code),
+    without its cause (a library's exception need not pickle across Ray; the unexpected
+    ones are logged by `error_body`)."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
@@ -65,8 +67,10 @@ def _handle_errors(method):
             try:
                 async for item in method(*args, **kwargs):
                     yield item
+            except APIError:
+                raise
             except Exception as exc:
-                raise as_api_error(exc) from exc
+                raise as_api_error(exc) from None
 
         return stream
 
@@ -74,8 +78,10 @@ def _handle_errors(method):
     async def call(*args, **kwargs):
         try:
             return await method(*args, **kwargs)
+        except APIError:
+            raise
         except Exception as exc:
-            raise as_api_error(exc) from exc
+            raise as_api_error(exc) from None
 
     return call
 
@@ -183,7 +189,7 @@ class Ingress:
         try:
             tenant = self._keys.tenant(request.headers.get("authorization"))
             if not self._cfg.access.expose_kv_stats:
-                raise APIError(404, "Not Found", type="NotFoundError")
+                raise NotFound("Not Found")
         except APIError as exc:
             return _error_response(exc)
         stats = await self.stats()
@@ -274,13 +280,7 @@ class Ingress:
         if self._store is None:
             raise APIError(400, "this deployment keeps no sessions (mode=oneway)", param="session_id")
         if not await self._store.end_session(key):
-            raise APIError(
-                404,
-                f"No session '{session_id}'.",
-                type="NotFoundError",
-                param="session_id",
-                code="session_not_found",
-            )
+            raise NotFound(f"No session '{session_id}'.", param="session_id", code="session_not_found")
         await self._turns.memory.flush()
         return {"id": session_id, "object": "session", "deleted": True}
 
@@ -308,11 +308,9 @@ class Ingress:
 
     @staticmethod
     def _validate(model_cls, body: dict):
-        try:
-            openai_api.check_json_values(body)
-            return model_cls.model_validate(body)
-        except Exception as exc:
-            raise as_api_error(exc) from None
+        """Errors become the caller's `APIError` in `_handle_errors`."""
+        openai_api.check_json_values(body)
+        return model_cls.model_validate(body)
 
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
@@ -323,13 +321,7 @@ class Ingress:
         (off the event loop: prompts can be large), and build the decode engine's
         SamplingParams with vLLM's own `to_sampling_params`."""
         if body.model is not None and body.model != self._cfg.model_name:
-            raise APIError(
-                404,
-                f"The model '{body.model}' does not exist.",
-                type="NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+            raise NotFound(f"The model '{body.model}' does not exist.", param="model", code="model_not_found")
         logprobs = body.requested_logprobs
         if logprobs is not None and logprobs > self._cfg.openai.max_logprobs:
             name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"

@@ -108,57 +108,42 @@ class DecodeMemory:
             return known
         if not hasattr(self._clients, "decode_kv_blocks"):
             return None
-        try:
-            blocks = await asyncio.wait_for(
-                self._clients.decode_kv_blocks(conversation.decode_replica), REPLICA_CALL_TIMEOUT_S
-            )
-        except Exception:
-            logger.exception("could not learn the KV capacity of decode engine %s", engine_id)
+        if await self._learn(conversation.decode_replica) != engine_id:
             self.counts[TurnCount.CAPACITY_UNKNOWN] += 1
             return None
-        if not blocks or blocks.get("engine_id") != engine_id:
-            self.counts[TurnCount.CAPACITY_UNKNOWN] += 1
-            return None
-        self._blocks[engine_id] = int(blocks["total"])
-        self._engine_of[conversation.decode_replica] = engine_id
         return self._blocks[engine_id]
+
+    async def _learn(self, replica: str) -> str | None:
+        """Ask a decode replica for its engine and block count and keep both. Returns the
+        engine id, or None (no answer, or an answer from another replica)."""
+        if not hasattr(self._clients, "decode_kv_blocks"):
+            return None
+        try:
+            blocks = await asyncio.wait_for(self._clients.decode_kv_blocks(replica), REPLICA_CALL_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("could not read the KV blocks of decode replica %s: %r", replica, exc)
+            return None
+        if not blocks or blocks.get("replica_id", replica) != replica or not blocks.get("engine_id"):
+            logger.info(
+                "decode replica %s did not answer for itself: %s", replica, (blocks or {}).get("replica_id")
+            )
+            return None
+        engine_id, total = blocks["engine_id"], int(blocks["total"])
+        self._engine_of[replica] = engine_id
+        self._blocks[engine_id] = total
+        logger.info("decode replica %s runs engine %s (%d KV blocks)", replica, engine_id, total)
+        return engine_id
 
     async def sync_capacities(self) -> int:
         """Learn the block count of live decode replicas not met yet, and tell the store
         the count of every live engine (idempotent). Returns the engines told."""
         replicas = getattr(self._clients, "decode_replicas", lambda: None)()
-        if (
-            not self.enabled
-            or self._store is None
-            or replicas is None
-            or not hasattr(self._clients, "decode_kv_blocks")
-        ):
+        if not self.enabled or self._store is None or replicas is None:
             return 0
         for gone in set(self._engine_of) - set(replicas):
             self._blocks.pop(self._engine_of.pop(gone), None)
         for replica in sorted(set(replicas) - set(self._engine_of)):
-            try:
-                blocks = await asyncio.wait_for(
-                    self._clients.decode_kv_blocks(replica), REPLICA_CALL_TIMEOUT_S
-                )
-            except Exception as exc:
-                logger.warning("could not read the KV blocks of decode replica %s: %r", replica, exc)
-                continue
-            if blocks and blocks.get("replica_id", replica) == replica and blocks.get("engine_id"):
-                self._engine_of[replica] = blocks["engine_id"]
-                self._blocks[blocks["engine_id"]] = int(blocks["total"])
-                logger.info(
-                    "decode replica %s runs engine %s (%d KV blocks)",
-                    replica,
-                    blocks["engine_id"],
-                    int(blocks["total"]),
-                )
-            else:
-                logger.info(
-                    "decode replica %s did not answer for itself: %s",
-                    replica,
-                    (blocks or {}).get("replica_id"),
-                )
+            await self._learn(replica)
         told = 0
         for engine_id in {self._engine_of[r] for r in replicas if r in self._engine_of}:
             try:
