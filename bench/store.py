@@ -312,16 +312,18 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
 def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
     import ray
 
-    from connector.actor import HandleStoreActor, StoreClient
+    from connector.actor import HandleStoreActor, StoreClient, StoreSettings
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = HandleStoreActor.remote(  # type: ignore[attr-defined]
-            handle_ttl_s=420,
-            decoder_ttl_s=480,
-            max_sessions=10**6,
-            max_blocks_per_engine=10**12,
-            index_block_size=BLOCK,
+        actor = HandleStoreActor.remote(
+            StoreSettings(
+                handle_ttl_s=420,
+                decoder_ttl_s=480,
+                max_sessions=10**6,
+                max_blocks_per_engine=10**12,
+                index_block_size=BLOCK,
+            )
         )
         n = args.actor_sessions
         # What an ingress replica uses: per-turn operations batched per shard.

@@ -11,7 +11,8 @@ Per-turn calls go from the ingress straight to the shards (`StoreClient`); the i
 asks `SessionStore` for the shard handles once, and again after a call failed. Every
 call has a deadline; a failed or late call raises `StoreUnavailable`, and the turn goes
 on without reuse. Sessions are sharded by a stable hash of their id; a sessionless prompt
-is matched against every shard.
+is matched against every shard. Each shard also keeps the stored Responses API objects
+whose key hashes to it (`connector.response_store`), one call per operation.
 
 Per-turn operations (begin turn, end turn, end session) are batched per shard: while a few
 batches are in flight to a shard, the operations that arrive queue up and leave together
@@ -42,6 +43,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from connector.records import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, ConversationTail, TurnOutcome
+from connector.response_store import ResponseStore, StoredResponse, route_of
 from connector.store import HandleStore
 
 logger = logging.getLogger("ray.serve")
@@ -70,16 +72,30 @@ class StoreSettings:
     """(tenant namespace, weight) of tenants whose share of pinned KV is not 1."""
     tenant_max_sessions: tuple[tuple[str, int], ...] = ()
     """(tenant namespace, conversations kept for it across all shards)."""
+    max_responses: int = 100_000
+    """Stored Responses API objects kept across all shards."""
+    max_response_bytes: int = 256 << 20
+    response_ttl_s: float = 86400.0
+    """A stored response unused this long is forgotten."""
 
     def store_kwargs(self) -> dict[str, Any]:
         """One shard's `HandleStore` arguments: the byte bound and the tenants' session
         limits are split among the shards (sessions hash evenly over them)."""
         kwargs = dataclasses.asdict(self)
-        kwargs.pop("shards")
+        for name in ("shards", "max_responses", "max_response_bytes", "response_ttl_s"):
+            kwargs.pop(name)
         kwargs["max_store_bytes"] = max(1, self.max_store_bytes // self.shards)
         kwargs["tenant_weights"] = dict(self.tenant_weights)
         kwargs["tenant_max_sessions"] = {t: max(1, -(-n // self.shards)) for t, n in self.tenant_max_sessions}
         return kwargs
+
+    def response_kwargs(self) -> dict[str, Any]:
+        """One shard's `ResponseStore` arguments: count and bytes split among the shards."""
+        return {
+            "max_responses": max(1, self.max_responses // self.shards),
+            "max_bytes": max(1, self.max_response_bytes // self.shards),
+            "ttl_s": self.response_ttl_s,
+        }
 
 
 BATCH_OPS = ("begin_turn", "end_turn", "end_session")
@@ -129,13 +145,15 @@ def apply_ops(store: HandleStore, ops: Sequence[tuple[str, tuple]] | bytes) -> l
     return results
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class HandleStoreActor:
-    """One shard of the store. Methods are cheap and never block."""
+class StoreShard:
+    """One shard of the store: a `HandleStore` and a `ResponseStore`. Methods are cheap
+    and never block. Runs as a Ray actor (`HandleStoreActor`); plain, it is what tests drive."""
 
-    def __init__(self, **store_kwargs):
-        self._settings = dict(store_kwargs)
-        self._store = HandleStore(**store_kwargs)
+    def __init__(self, settings: StoreSettings):
+        store, responses = settings.store_kwargs(), settings.response_kwargs()
+        self._settings = {**store, "responses": responses}
+        self._store = HandleStore(**store)
+        self._responses = ResponseStore(**responses)
 
     def match(self, prompt_ids: Sequence[int], prompt_text: str | None = None) -> tuple[str | None, int]:
         return self._store.match(prompt_ids, prompt_text)
@@ -153,11 +171,40 @@ class HandleStoreActor:
     def take_releases(self) -> list:
         return self._store.take_releases()
 
+    # Responses leave the shard detached: whole histories, never the shard's own records.
+
+    def put_response(self, resp: StoredResponse) -> str:
+        return self._responses.put(resp)
+
+    def get_response(self, key: str) -> StoredResponse | None:
+        resp = self._responses.get(key)
+        return resp.detached() if resp is not None else None
+
+    def continue_response(self, key: str, request_id: str) -> tuple[StoredResponse | None, bool]:
+        resp, owner = self._responses.continue_from(key, request_id)
+        return (resp.detached() if resp is not None else None), owner
+
+    def release_continuation(self, key: str, request_id: str) -> None:
+        self._responses.release_continuation(key, request_id)
+
+    def delete_response(self, key: str) -> StoredResponse | None:
+        resp = self._responses.delete(key)
+        return resp.detached() if resp is not None else None
+
     def stats(self) -> dict:
-        """The shard's state and counters, the settings it was built with, and the CPU
-        time its process has used (`cpu_s`, every thread: Ray's own work on its calls
-        included), from which a caller can tell what the shard costs per operation."""
-        return {**self._store.stats(), "settings": self._settings, "cpu_s": time.process_time()}
+        """The shard's state and counters (its stored responses' under `responses`), the
+        settings it was built with, and the CPU time its process has used (`cpu_s`, every
+        thread: Ray's own work on its calls included), from which a caller can tell what
+        the shard costs per operation."""
+        return {
+            **self._store.stats(),
+            "responses": self._responses.stats(),
+            "settings": self._settings,
+            "cpu_s": time.process_time(),
+        }
+
+
+HandleStoreActor = ray.remote(num_cpus=0, max_restarts=-1)(StoreShard)
 
 
 @serve.deployment(
@@ -172,7 +219,7 @@ class SessionStore:
         # Beside this replica (soft): the shards follow its placement (`sessions.store_resources`).
         near = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self._shards = [
-            HandleStoreActor.options(scheduling_strategy=near).remote(**settings.store_kwargs())  # type: ignore[attr-defined]
+            HandleStoreActor.options(scheduling_strategy=near).remote(settings)
             for _ in range(settings.shards)
         ]
 
@@ -254,6 +301,11 @@ class StoreClient:
             self._actors = None
             raise StoreUnavailable(f"store call failed: {exc!r}") from exc
 
+    async def _on_shard(self, key: str) -> Any:
+        """The shard actor that keeps response `key`: its chain's (`route_of`)."""
+        actors = await self._shards()
+        return actors[shard_of(route_of(key), len(actors))]
+
     async def _batched(self, session_id: str, op: str, *args) -> Any:
         actors = await self._shards()
         queued = self._queues[shard_of(session_id, len(actors))].submit(op, args)
@@ -287,10 +339,12 @@ class StoreClient:
         outcome: TurnOutcome,
         conversation: Conversation | None,
         engine_blocks: int | None = None,
+        retain: bool = False,
     ) -> None:
         """Settle the claim and store the turn. `engine_blocks`: the block count of the
         engine the new turn's handle pins on, if known; the shard takes its part of it
-        as that engine's budget when it has none (it restarted, or never heard of it)."""
+        as that engine's budget when it has none (it restarted, or never heard of it).
+        `retain`: the client asked for long retention (`HandleStore.put`)."""
         self._recent.pop(claim.session_id, None)
         # A turn that extends the conversation it claimed travels as its tail.
         sent: Conversation | ConversationTail | None = conversation
@@ -298,7 +352,7 @@ class StoreClient:
             sent = ConversationTail.of(conversation, claim.conversation) or conversation
         actors = await self._shards()
         share = max(1, engine_blocks // len(actors)) if engine_blocks else None
-        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, sent, share)
+        await self._batched(claim.session_id, "end_turn", claim.lease_id, outcome, sent, share, retain)
         if conversation is not None and conversation.handle is not None:
             self._recent[claim.session_id] = conversation
             while len(self._recent) > self.RECENT:
@@ -323,6 +377,35 @@ class StoreClient:
     async def end_session(self, session_id: str) -> bool:
         self._recent.pop(session_id, None)
         return await self._batched(session_id, "end_session", session_id)
+
+    # -- stored responses (`connector.response_store`), on the shard their key hashes to ------
+
+    async def put_response(self, resp: StoredResponse, history: list[dict] | None = None) -> str:
+        """Store a response that keeps only what it added over `resp.parent_key`. If the
+        shard no longer has the parent (evicted, or the shard restarted), it is stored
+        again standing alone with `history` (the parent's whole conversation, as
+        `continue_response` gave it). Returns `ResponseStore.put`'s answer."""
+        shard = await self._on_shard(resp.key)
+        result = await self._call(shard.put_response.remote(resp))
+        if result == "no_parent" and history is not None:
+            alone = dataclasses.replace(resp, messages=history + resp.messages, parent_key=None)
+            result = await self._call(shard.put_response.remote(alone))
+        return result
+
+    async def get_response(self, key: str) -> StoredResponse | None:
+        return await self._call((await self._on_shard(key)).get_response.remote(key))
+
+    async def continue_response(self, key: str, request_id: str) -> tuple[StoredResponse | None, bool]:
+        """The response and whether `request_id` owns its continuation (the first request
+        to continue it does; another one forks: the caller runs it in a new session)."""
+        return await self._call((await self._on_shard(key)).continue_response.remote(key, request_id))
+
+    async def release_continuation(self, key: str, request_id: str) -> None:
+        """Give back a continuation `request_id` owns: it failed before storing its response."""
+        await self._call((await self._on_shard(key)).release_continuation.remote(key, request_id))
+
+    async def delete_response(self, key: str) -> StoredResponse | None:
+        return await self._call((await self._on_shard(key)).delete_response.remote(key))
 
     async def stats(self) -> dict:
         actors = await self._shards()

@@ -7,12 +7,14 @@
   state name, claims and misses (`miss_<Miss>`), evictions, late or mismatched turns,
   releases taken, and the work of sessionless matching.
 - `TenantEvent`: the per-tenant events of `stats()["tenants"][<namespace>]`.
+- `ResponseEvent`: the keys of `ResponseStore.counts` (stored Responses API objects).
 
 All are `StrEnum`s: a member compares and hashes equal to its string, formats as it, and
 JSON shows the string, so callers may keep reading counters by plain string;
 `HandleStore.stats()` and `Claim.miss_reason` carry the plain strings. Pure Python, no
-imports from the project: `connector.store` and `connector.match` emit them, the ingress
-(`app.turns`) may use them to read what the store emitted.
+imports from the project: `connector.store`, `connector.match` and
+`connector.response_store` emit them, the ingress (`app.turns`) may use them to read
+what the store emitted.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class StoreEvent(enum.StrEnum):
     SESSIONS_EVICTED = "sessions_evicted"  # LRU, by sessions or bytes
     EVICTED_FOR_BYTES = "evicted_for_bytes"  # ... of which for the byte bound
     EVICTED_FOR_BLOCKS = "evicted_for_blocks"  # handles, for an engine's pinned-block budget
+    EVICTED_RETAINED = "evicted_retained"  # ... of which retained ones (the tenant had no other)
     SESSIONS_REFUSED = "sessions_refused"  # a new session past its tenant's live-session limit
     RELEASES_TAKEN = "releases_taken"
     # Sessionless matching (`HandleStore.match`).
@@ -85,6 +88,18 @@ class TenantEvent(enum.StrEnum):
 
     SESSIONS_REFUSED = "sessions_refused"  # new sessions refused: the tenant's live-session limit
     EVICTED_FOR_BLOCKS = "evicted_for_blocks"  # handles, for an engine's pinned-block budget
+
+
+class ResponseEvent(enum.StrEnum):
+    """Keys of `ResponseStore.counts` (`stats()["responses"]` of a shard)."""
+
+    STORED = "responses_stored"
+    EVICTED = "responses_evicted"  # LRU, for the count bound
+    EVICTED_FOR_BYTES = "responses_evicted_for_bytes"  # LRU, for the byte bound (not in the above)
+    EXPIRED = "responses_expired"  # unused for the TTL
+    DELETED = "responses_deleted"
+    REFUSED_TOO_BIG = "responses_refused_too_big"  # larger than the whole byte bound
+    FORKED = "responses_forked"  # a second request continued the same response
 
 
 _MISS_EVENT = {miss: StoreEvent(f"miss_{miss}") for miss in Miss}

@@ -366,6 +366,7 @@ class Record:
         "chain",
         "text_chain",
         "nbytes",
+        "retained",
     )
 
     session_id: str
@@ -386,8 +387,12 @@ class Record:
     """Full blocks of `tokens`, and the chain hash of them."""
     text_chain: tuple[int, int]
     nbytes: int
+    retained: bool
+    """Its client asked for long retention: budget evictions take it last (`TenantShares.victim`)."""
 
-    def __init__(self, conversation: Conversation, stored_at: float, expires_at: float):
+    def __init__(
+        self, conversation: Conversation, stored_at: float, expires_at: float, retained: bool = False
+    ):
         self.session_id = conversation.session_id
         self.tokens = tokens = conversation.compact_ids
         self.prompt_len = conversation.prompt_len
@@ -397,6 +402,7 @@ class Record:
         self.state = None
         self.stored_at = stored_at
         self.expires_at = expires_at
+        self.retained = retained
         self.nbytes = (
             tokens.itemsize * len(tokens)
             + (sys.getsizeof(text) if text is not None else 0)

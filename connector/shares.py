@@ -16,7 +16,9 @@ the tenant whose pinned blocks are largest for its weight gives up its least rec
 stored conversation. A tenant alone on an engine may use all of the budget (idle share is
 lent); when another tenant stores, the first is then the one over its share and its own
 oldest conversations go first (the share is reclaimed on demand). A tenant over its share
-that stores more evicts its own.
+that stores more evicts its own. Within the chosen tenant, conversations whose client asked
+for long retention (`retained`) go only when the tenant has no other stored on the engine:
+retention picks the victim inside a tenant, never which tenant gives up blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def tenant_of(session_id: str) -> str:
 
 class TenantShares:
     """Per decode engine and tenant: waiting (stored or claimed) blocks and the tenant's
-    stored conversations, oldest first; per tenant: its conversations, least recently
-    used first."""
+    stored conversations, oldest first, retained ones apart; per tenant: its
+    conversations, least recently used first."""
 
     def __init__(
         self, weights: Mapping[str, float] | None = None, max_sessions: Mapping[str, int] | None = None
@@ -45,7 +47,7 @@ class TenantShares:
         self._weights = dict(weights or {})
         self._max_sessions = dict(max_sessions or {})
         self.blocks: Counter[tuple[str, str]] = Counter()
-        self._stored: dict[tuple[str, str], OrderedDict[str, None]] = {}
+        self._stored: dict[tuple[str, str, bool], OrderedDict[str, None]] = {}  # (engine, tenant, retained)
         self._tenants_on: dict[str, Counter[str]] = {}  # engine -> tenant -> stored sessions
         self._sessions: dict[str, OrderedDict[str, float]] = {}  # kept, by last use
         self._live: dict[str, OrderedDict[str, float]] = {}  # used within the window, by last use
@@ -64,14 +66,16 @@ class TenantShares:
         if self.blocks[key] <= 0:
             del self.blocks[key]
 
-    def stored(self, engine_id: str, tenant: str, session_id: str) -> None:
-        """A conversation's handle is now STORED (evictable) on `engine_id`."""
-        self._stored.setdefault((engine_id, tenant), OrderedDict())[session_id] = None
+    def stored(self, engine_id: str, tenant: str, session_id: str, retained: bool = False) -> None:
+        """A conversation's handle is now STORED (evictable) on `engine_id`; `retained`:
+        its client asked for long retention."""
+        self._stored.setdefault((engine_id, tenant, retained), OrderedDict())[session_id] = None
         self._tenants_on.setdefault(engine_id, Counter())[tenant] += 1
 
-    def unstored(self, engine_id: str, tenant: str, session_id: str) -> None:
-        """The handle left STORED (claimed, read, evicted, expired, ...)."""
-        key = (engine_id, tenant)
+    def unstored(self, engine_id: str, tenant: str, session_id: str, retained: bool = False) -> None:
+        """The handle left STORED (claimed, read, evicted, expired, ...); `retained` as
+        it was stored."""
+        key = (engine_id, tenant, retained)
         sessions = self._stored.get(key)
         if sessions is None or session_id not in sessions:
             return
@@ -86,13 +90,15 @@ class TenantShares:
                 del self._tenants_on[engine_id]
 
     def victim(self, engine_id: str) -> str | None:
-        """The session whose handle goes when `engine_id` is over its budget: the oldest
-        stored one of the tenant with the most pinned blocks for its weight."""
+        """The session whose handle goes when `engine_id` is over its budget: of the
+        tenant with the most pinned blocks for its weight, the oldest stored one not
+        retained, else its oldest retained one."""
         tenants = self._tenants_on.get(engine_id)
         if not tenants:
             return None
         tenant = max(tenants, key=lambda t: (self.blocks[(engine_id, t)] / self.weight(t), t))
-        return next(iter(self._stored[(engine_id, tenant)]))
+        sessions = self._stored.get((engine_id, tenant, False)) or self._stored[(engine_id, tenant, True)]
+        return next(iter(sessions))
 
     # -- kept and live conversations -----------------------------------------------------
 

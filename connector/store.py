@@ -219,12 +219,14 @@ class HandleStore:
         outcome: TurnOutcome,
         conversation: Conversation | ConversationTail | None,
         engine_blocks: int | None = None,
+        retain: bool = False,
     ) -> None:
         """Settle a lease: record what became of the claimed handle, store the new turn.
 
         `engine_blocks`: the block count of the decode engine the new turn's handle pins
         on, when the caller knows it. A store that has no budget for that engine (it was
         restarted empty, or never told) takes it, as `set_engine_capacity` would.
+        `retain`: the client asked for long retention (see `put`).
 
         Called exactly once per `begin_turn`, on every path (the ingress uses `finally`).
         A late call (lease expired) or one for a session ended meanwhile stores nothing;
@@ -256,11 +258,15 @@ class HandleStore:
             new = conversation.handle
             if engine_blocks and new is not None and not self._pins.knows(new.engine_id):
                 self._pins.set_capacity(new.engine_id, engine_blocks)
-            self.put(conversation, base)
+            self.put(conversation, base, retain)
 
-    def put(self, conversation: Conversation, base: tuple[array, str | None] | None = None) -> None:
+    def put(
+        self, conversation: Conversation, base: tuple[array, str | None] | None = None, retain: bool = False
+    ) -> None:
         """Store a session's latest turn, superseding the previous one. `base`: ids and
-        text the turn is known to start with (a resolved `ConversationTail`)."""
+        text the turn is known to start with (a resolved `ConversationTail`). `retain`:
+        when its engine is over budget, its handle goes after the tenant's others
+        (`TenantShares.victim`); the budget still wins. Each turn sets it anew."""
         self._sweep()
         now = self._clock()
         session_id = conversation.session_id
@@ -269,7 +275,7 @@ class HandleStore:
             if old.state is HandleState.STORED:
                 self._leave(old, HandleState.SUPERSEDED)
             self._remove(old)
-        record = Record(conversation, now, now + self._ttl)
+        record = Record(conversation, now, now + self._ttl, retain)
         self._index.keys(record, old, base)
         self._records[session_id] = record
         self._shares.touch(tenant_of(session_id), session_id, now)
@@ -387,12 +393,12 @@ class HandleStore:
                 del stored[session_id]
                 if not stored:
                     del self._stored_on[engine]
-                self._shares.unstored(engine, tenant, session_id)
+                self._shares.unstored(engine, tenant, session_id, record.retained)
             else:
                 self._pins.hold(handle)
                 self._shares.hold(engine, tenant, handle.num_blocks)
                 self._stored_on.setdefault(engine, {})[session_id] = None
-                self._shares.stored(engine, tenant, session_id)
+                self._shares.stored(engine, tenant, session_id, record.retained)
                 self._expiring[session_id] = record
         self._recount(record.state, state)
         record.state = state
@@ -451,15 +457,18 @@ class HandleStore:
 
     def _enforce_budget(self, engine_id: str) -> None:
         # The budget bounds blocks of waiting handles (stored or claimed); evicting stored
-        # ones lowers it, the oldest of the tenant most over its share first
+        # ones lowers it, the oldest not retained of the tenant most over its share first
         # (`TenantShares.victim`). Unread blocks are being released.
         budget = self._pins.budget(engine_id)
         while (
             self._pins.waiting[engine_id] > budget
             and (session_id := self._shares.victim(engine_id)) is not None
         ):
-            self._leave(self._records[session_id], HandleState.EVICTED)
+            record = self._records[session_id]
+            self._leave(record, HandleState.EVICTED)
             self.counts[StoreEvent.EVICTED_FOR_BLOCKS] += 1
+            if record.retained:
+                self.counts[StoreEvent.EVICTED_RETAINED] += 1
             self.tenant_counts[(tenant_of(session_id), TenantEvent.EVICTED_FOR_BLOCKS)] += 1
 
     def _sweep(self) -> None:

@@ -287,6 +287,51 @@ def test_block_bound_evicts_a_handle_larger_than_the_bound(clock):
     assert store.begin_turn("a").miss_reason == "evicted"
 
 
+def test_block_bound_evicts_a_conversation_not_retained_before_an_older_retained_one(clock):
+    store = make_store(clock, max_blocks_per_engine=10)
+    claim = store.begin_turn("old")
+    store.end_turn(claim.lease_id, TurnOutcome.UNUSED, conv("old", range(10), blocks=6), retain=True)
+    clock.advance(1)
+    store.put(conv("new", range(10), blocks=6))  # 12 > 10: the one not retained goes
+    assert store.begin_turn("new").miss_reason == "evicted"
+    assert store.begin_turn("old").handle is not None
+    assert store.counts[StoreEvent.EVICTED_FOR_BLOCKS] == 1 and store.counts[StoreEvent.EVICTED_RETAINED] == 0
+
+
+def test_block_bound_evicts_the_oldest_retained_when_all_are_retained(clock):
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv("a", range(10), blocks=4), retain=True)
+    clock.advance(1)
+    store.put(conv("b", range(10), blocks=4), retain=True)
+    clock.advance(1)
+    store.put(conv("c", range(10), blocks=4), retain=True)
+    assert store.begin_turn("a").miss_reason == "evicted"
+    assert store.begin_turn("b").handle is not None and store.begin_turn("c").handle is not None
+    assert store.counts[StoreEvent.EVICTED_FOR_BLOCKS] == 1 and store.counts[StoreEvent.EVICTED_RETAINED] == 1
+
+
+def test_retention_does_not_change_which_tenant_gives_up_blocks(clock):
+    """B is over its share: its retained conversation goes before A's plain one."""
+    a, b = "k0123456789ab:", "kba9876543210:"
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv(a + "1", range(10), blocks=3))
+    store.put(conv(b + "1", range(10), blocks=6), retain=True)
+    store.put(conv(a + "2", range(10), blocks=3))  # 12 > 10: B holds the most
+    assert store.begin_turn(b + "1").miss_reason == "evicted"
+    assert store.counts[StoreEvent.EVICTED_RETAINED] == 1
+
+
+def test_a_turn_stored_without_retain_is_no_longer_retained(clock):
+    store = make_store(clock, max_blocks_per_engine=10)
+    store.put(conv("a", range(10), blocks=4), retain=True)
+    store.put(conv("b", range(10), blocks=4), retain=True)
+    store.put(conv("b", range(12), blocks=4))  # b's next turn, plain
+    store.put(conv("c", range(10), blocks=3), retain=True)  # 11 > 10: b is the only one not retained
+    assert store.begin_turn("b").miss_reason == "evicted"
+    assert store.begin_turn("a").handle is not None
+    assert store.counts[StoreEvent.EVICTED_RETAINED] == 0
+
+
 def test_pinned_blocks_for_abandoned_handles(store, clock):
     store.put(conv("s", range(10), blocks=6))
     assert store.pinned_blocks("d-0") == 6

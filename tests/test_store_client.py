@@ -205,9 +205,9 @@ async def test_a_turn_that_extends_its_claim_travels_as_its_tail():
     sent = []
     store = source.shards[0].store
     end_turn = store.end_turn
-    store.end_turn = lambda lease, outcome, c, blocks=None: (
+    store.end_turn = lambda lease, outcome, c, blocks=None, retain=False: (
         sent.append(c),
-        end_turn(lease, outcome, c, blocks),
+        end_turn(lease, outcome, c, blocks, retain),
     )[1]
     client = StoreClient(source, SETTINGS)
 
@@ -239,3 +239,21 @@ async def test_a_turn_that_extends_its_claim_travels_as_its_tail():
     # What another ingress replica reads back is each turn whole.
     claim = await StoreClient(source, SETTINGS).begin_turn("s1")
     assert claim.conversation == edited and store.counts.get("tail_mismatch", 0) == 0
+
+
+async def test_a_retained_turn_keeps_its_handle_over_a_newer_one_past_the_budget():
+    from connector.handle import KVHandle, Location
+    from connector.store import Conversation
+
+    def conversation(session, n):
+        handle = KVHandle(Location.DECODE, "d-0", f"req-{n}", (tuple(range(60)),), "h", 1, 7)
+        return Conversation(session, tuple(range(1, 9)), 6, None, handle, "decode#0")
+
+    client = StoreClient(Source(), SETTINGS)
+    await client.end_turn(
+        await client.begin_turn("old"), TurnOutcome.UNUSED, conversation("old", 1), retain=True
+    )
+    await client.end_turn(await client.begin_turn("new"), TurnOutcome.UNUSED, conversation("new", 2))
+    # 120 blocks waiting, over the budget of 100: the one not retained goes.
+    assert (await client.begin_turn("new")).miss_reason == "evicted"
+    assert (await client.begin_turn("old")).handle is not None
