@@ -48,7 +48,6 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
     them; the ingress checks the running store has them)."""
     s = cfg.sessions
     tenants = ApiKeys.of(cfg.access).tenants()
-    responses = getattr(cfg, "responses", None)
     return StoreSettings(
         handle_ttl_s=s.handle_ttl_s,
         decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
@@ -62,7 +61,7 @@ def store_settings(cfg: AppConfig) -> StoreSettings:
         tenant_max_sessions=tuple(
             (t.namespace, t.policy.max_sessions) for t in tenants if t.policy.max_sessions
         ),
-        max_responses=getattr(responses, "max_responses", StoreSettings.max_responses),
-        max_response_bytes=getattr(responses, "max_bytes", StoreSettings.max_response_bytes),
-        response_ttl_s=getattr(responses, "ttl_s", StoreSettings.response_ttl_s),
+        max_responses=cfg.responses.max_responses,
+        max_response_bytes=cfg.responses.max_bytes,
+        response_ttl_s=cfg.responses.ttl_s,
     )

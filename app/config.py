@@ -8,6 +8,7 @@ constructors. Every field says what it does; bad values stop `serve run` with a 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -384,6 +385,47 @@ class OpenAIConfig(_Strict):
     max_logprobs: int = Field(
         20, ge=0, le=20, description="Largest top_logprobs (completions: logprobs) accepted."
     )
+    compact_json: bool = Field(
+        True,
+        description=(
+            "Constrained JSON (tool arguments under required/named tool choice, response_format, Responses "
+            "text.format, Anthropic forced tools) without whitespace outside strings: the grammars otherwise "
+            "let a model pad JSON until max_tokens. False: vLLM's grammars as they are."
+        ),
+    )
+    strip_system_patterns: list[str] = Field(
+        default_factory=lambda: [r"^x-anthropic-billing-header:.*(?:\n|$)"],
+        description=(
+            "Regular expressions (multiline) removed from system and developer text on every API before "
+            "rendering: per-request nonces some agent CLIs put in the system prompt would change its first "
+            "tokens on every request and defeat all reuse. Default: Claude Code's billing header line."
+        ),
+    )
+
+    @field_validator("strip_system_patterns")
+    @classmethod
+    def _patterns_compile(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern, re.MULTILINE)
+            except re.error as exc:
+                raise ValueError(
+                    f"strip_system_patterns: {pattern!r} is not a regular expression: {exc}"
+                ) from None
+        return value
+
+
+class ResponsesConfig(_Strict):
+    """The Responses API's stored responses (`previous_response_id`), kept in the handle
+    store's shards beside the sessions they continue."""
+
+    max_responses: int = Field(100_000, ge=1, description="Most stored responses (all shards together).")
+    max_bytes: int = Field(256 << 20, ge=1 << 20, description="Most bytes of stored responses (all shards).")
+    ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="A stored response unused for this long is forgotten (its chain then 404s).",
+    )
 
 
 class AppConfig(_Strict):
@@ -413,6 +455,7 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     access: AccessConfig = Field(default_factory=AccessConfig)
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     app_name: str = Field("default", description="Serve application name the graph is deployed under.")
     env: dict[str, str] = Field(
         default_factory=dict,

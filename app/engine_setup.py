@@ -117,6 +117,14 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         # On CPU vLLM otherwise reserves a fraction of all host RAM per engine, and the
         # second engine on a machine refuses to start.
         kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+    if cfg.openai.compact_json:
+        from vllm.config import StructuredOutputsConfig
+
+        # Grammars without free whitespace (xgrammar's option; structural tags are made
+        # compact per request by `app.openai_api.compact_structural_tag`).
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        )
     kwargs.update(role.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -115,6 +117,48 @@ def template_kwargs(cfg: AppConfig, body: ChatCompletionRequest) -> dict[str, An
     return {**cfg.openai.chat_template_kwargs, **given}
 
 
+def strip_system(messages: list[dict[str, Any]], patterns: list[re.Pattern]) -> list[dict[str, Any]]:
+    """System and developer text without what `patterns` match (per-request nonces some
+    agent CLIs write there, which would change the prompt's first tokens every turn).
+    A message left empty is dropped."""
+    if not patterns:
+        return messages
+    out = []
+    for message in messages:
+        if message["role"] in ("system", "developer") and isinstance(message.get("content"), str):
+            text = message["content"]
+            for pattern in patterns:
+                text = pattern.sub("", text)
+            if not text.strip():
+                continue
+            message = {**message, "content": text}
+        out.append(message)
+    return out
+
+
+def compact_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool-call arguments in the history written compactly, as the engine generated them
+    under compact grammars (`compact_json`). Parsers hand clients the arguments re-dumped
+    with spaces; sent back as they are, they would re-render differently from the tokens
+    of the turn that made them, and reuse would stop there."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_compact_call(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _compact_call(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        value = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return call  # not JSON: rendered as sent
+    arguments = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
 def check_structured_output(params) -> None:
     """Compile the request's grammar here (vLLM's xgrammar check) so a schema the decode
     engine would refuse answers 400 before anything runs."""
@@ -129,6 +173,56 @@ def check_structured_output(params) -> None:
         raise
     except (ValueError, TypeError) as exc:
         raise client_error(exc) from exc
+
+
+def compact_structural_tag(params) -> None:
+    """Make the JSON inside a structural tag (the tool parsers' grammar for tool calls)
+    compact: each JSON-schema region becomes xgrammar's grammar of that schema without
+    whitespace outside strings, and a tag's whitespace-only variants its first form. The
+    engine's `disable_any_whitespace` covers plain JSON schemas but not these regions,
+    which otherwise let a model pad arguments until max_tokens."""
+    outputs = params.structured_outputs
+    if outputs is None or not outputs.structural_tag:
+        return
+    tag = json.loads(outputs.structural_tag)
+    outputs.structural_tag = json.dumps(_compact_regions(tag))
+
+
+def _compact_regions(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_compact_regions(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        schema = node.get("json_schema")
+        return {"type": "grammar", "grammar": _compact_grammar(json.dumps(schema, sort_keys=True))}
+    out = {key: _compact_regions(value) for key, value in node.items()}
+    if isinstance(out.get("tags"), list):
+        out["tags"] = _first_of_each_form(out["tags"])
+    return out
+
+
+def _first_of_each_form(tags: list) -> list:
+    """Tags that differ only in whitespace (hermes: `<tool_call>\n{...}\n</tool_call>` and
+    `<tool_call>{...}</tool_call>`) reduced to the first, the form the chat template
+    renders: a call the model writes in another form would not re-render as generated."""
+    seen, out = set(), []
+    for tag in tags:
+        if isinstance(tag, dict) and isinstance(tag.get("begin"), str) and isinstance(tag.get("end"), str):
+            bare = lambda text: re.sub(r"\s", "", text)  # noqa: E731
+            form = (bare(tag["begin"]), bare(tag["end"]), json.dumps(tag.get("content")))
+            if form in seen:
+                continue
+            seen.add(form)
+        out.append(tag)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _compact_grammar(schema: str) -> str:
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
 
 
 # -- output parsers ------------------------------------------------------------------------
@@ -240,12 +334,41 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _tool_call(call) -> dict[str, Any]:
-    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+class JsonSpaces:
+    """Removes whitespace outside JSON strings from text given in pieces (a streamed
+    argument string). Tool parsers re-dump the arguments a model generated with spaces
+    after `,` and `:`; under compact grammars (`compact_json`) this gives the client the
+    arguments as generated."""
+
+    def __init__(self) -> None:
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, text: str) -> str:
+        out = []
+        for char in text:
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in " \t\n\r":
+                continue
+            out.append(char)
+        return "".join(out)
+
+
+def _tool_call(call, compact: bool) -> dict[str, Any]:
+    arguments = JsonSpaces().feed(call.arguments) if compact else call.arguments
+    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def chat_message(
-    parser, auto_tools: bool, body: ChatCompletionRequest, text: str, token_ids
+    parser, auto_tools: bool, body: ChatCompletionRequest, text: str, token_ids, compact: bool = False
 ) -> tuple[dict[str, Any], bool]:
     """The assistant message of a whole answer, and whether it calls tools."""
     if parser is None:
@@ -259,7 +382,7 @@ def chat_message(
     if reasoning is not None and body.include_reasoning:
         message["reasoning_content"] = reasoning
     if calls:
-        message["tool_calls"] = [_tool_call(c) for c in calls]
+        message["tool_calls"] = [_tool_call(c, compact) for c in calls]
         if not content:
             message["content"] = None
     elif content is None:
@@ -270,10 +393,11 @@ def chat_message(
 class ChatStream:
     """Streamed chat deltas of one answer through the request's parser."""
 
-    def __init__(self, parser, body: ChatCompletionRequest, prompt_ids):
+    def __init__(self, parser, body: ChatCompletionRequest, prompt_ids, compact: bool = False):
         self._parser = parser
         self._body = body
         self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self._spaces: dict[int, JsonSpaces] | None = {} if compact else None
         self.called_tools = False
 
     def delta(self, text: str, token_ids, *, finished: bool = False) -> dict[str, Any] | None:
@@ -299,6 +423,9 @@ class ChatStream:
                     call["id"] = call_id()
                 if "function" in call:
                     call["function"] = {k: v for k, v in call["function"].items() if v is not None}
+                    if self._spaces is not None and call["function"].get("arguments"):
+                        spaces = self._spaces.setdefault(tc.index, JsonSpaces())
+                        call["function"]["arguments"] = spaces.feed(call["function"]["arguments"])
                 calls.append(call)
             if calls:
                 out["tool_calls"] = calls

@@ -54,9 +54,10 @@ class ResponseShaper:
     """One per ingress replica: the served model's name and whether tool calls are parsed
     without a named tool choice (`OutputParsers.auto_tools`)."""
 
-    def __init__(self, model_name: str, auto_tools: bool):
+    def __init__(self, model_name: str, auto_tools: bool, compact_json: bool = False):
         self._model = model_name
         self._auto_tools = auto_tools
+        self._compact = compact_json
 
     def response(
         self,
@@ -72,7 +73,9 @@ class ResponseShaper:
         """The body of a turn that does not stream."""
         choice: dict[str, Any]
         if kind == "chat.completion":
-            message, called = openai_api.chat_message(parser, self._auto_tools, body, text, token_ids)
+            message, called = openai_api.chat_message(
+                parser, self._auto_tools, body, text, token_ids, self._compact
+            )
             reason = openai_api.finish_reason(result.finish_reason, called)
             choice = {
                 "index": 0,
@@ -109,7 +112,7 @@ class ResponseShaper:
         chat = kind == "chat.completion"
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        stream = openai_api.ChatStream(parser, body, turn.prompt_ids) if chat else None
+        stream = openai_api.ChatStream(parser, body, turn.prompt_ids, self._compact) if chat else None
 
         def envelope(choices: list, **extra) -> dict:
             return {

@@ -51,8 +51,6 @@ def config_with(tree: dict, overrides: dict):
 
 
 def pd_config(**overrides):
-    from vllm.config import StructuredOutputsConfig
-
     tree = {
         "mode": "bidir",
         "model": str(MODEL),
@@ -60,18 +58,7 @@ def pd_config(**overrides):
         "max_model_len": 2048,
         "default_max_tokens": 16,
         "prefill": {"num_cpus": 0.5, "enable_prefix_caching": False, "kv_cache_memory_bytes": 128 << 20},
-        # Guided JSON without free whitespace: the random-weight model otherwise loops on
-        # newlines inside JSON until max_tokens (vLLM's --structured-outputs-config).
-        "decode": {
-            "num_cpus": 0.5,
-            "num_replicas": 2,
-            "kv_cache_memory_bytes": 128 << 20,
-            "engine_kwargs": {
-                "structured_outputs_config": StructuredOutputsConfig(
-                    backend="xgrammar", disable_any_whitespace=True
-                )
-            },
-        },
+        "decode": {"num_cpus": 0.5, "num_replicas": 2, "kv_cache_memory_bytes": 128 << 20},
         # Every turn through prefill (it pulls the history): the path these tests prove.
         # tests/e2e/test_decode_local.py turns decode-local turns on in an app of its own.
         "transfer": {
