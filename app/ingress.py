@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import logging
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,11 +26,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import metrics, openai_api
+from app import messages_api, metrics, openai_api, responses_api
 from app.auth import ApiKeys, Tenant, scoped
 from app.clients import ServeEngineClients, store_settings
 from app.config import AppConfig
-from app.errors import APIError, NotFound, as_api_error, client_error, error_body
+from app.errors import APIError, NotFound, ServerError, as_api_error, client_error, error_body
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.quotas import Quotas
 from app.responses import ResponseShaper, sse
@@ -37,16 +40,20 @@ from app.turn_model import Delta, TurnInput, TurnResult
 from app.turns import Turns
 from app.wire import ReplicaQuery, Sampling
 from connector.actor import StoreClient, StoreUnavailable
+from connector.response_store import StoredResponse
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")
 
 
+def _headers(exc: BaseException) -> dict | None:
+    return getattr(exc, "headers", None) if isinstance(exc, (StarletteHTTPException, APIError)) else None
+
+
 def _error_response(exc: BaseException) -> JSONResponse:
     """Every error as an OpenAI-style `{"error": {...}}` body with its status."""
     status, body = error_body(exc)
-    headers = getattr(exc, "headers", None) if isinstance(exc, (StarletteHTTPException, APIError)) else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=_headers(exc))
 
 
 api.add_exception_handler(APIError, lambda request, exc: _error_response(exc))
@@ -96,6 +103,38 @@ class _Prepared:
     """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
 
 
+@dataclass
+class _ResponseTurn:
+    """A Responses request on its way: the response it continues and the turn it runs as."""
+
+    request: Any
+    tenant: Tenant
+    previous: StoredResponse | None
+    owner: bool
+    messages: list[dict] = field(default_factory=list)
+    body: Any = None
+    prepared: Any = None
+
+
+def _history_length(turn: _ResponseTurn, history: list[dict]) -> int:
+    """How many of the turn's chat messages came from the stored history (and the
+    request's instructions), not from its input."""
+    instructions = 1 if turn.request.instructions else 0
+    return instructions + sum(1 for m in history if m.get("role") != "system")
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _named_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Responses stream events as server-sent events named by their type."""
+    async for event in events:
+        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -118,7 +157,9 @@ class Ingress:
         self._decode = decode
         self._tok = HFTokenizer(cfg.tokenizer or cfg.model)
         self._parsers = openai_api.OutputParsers(cfg, self._tok.hf)
-        self._shaper = ResponseShaper(cfg.model_name, self._parsers.auto_tools)
+        self._shaper = ResponseShaper(cfg.model_name, self._parsers.auto_tools, cfg.openai.compact_json)
+        self._strip = [re.compile(p, re.MULTILINE) for p in cfg.openai.strip_system_patterns]
+        self._merge_inline_system = messages_api.merge_inline_system(self._tok.hf)
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
@@ -181,6 +222,82 @@ class Ingress:
         except Exception as exc:
             return _error_response(exc)
 
+    # -- agents' APIs: Anthropic Messages, OpenAI Responses ------------------------------
+
+    @api.post("/v1/messages")
+    async def http_messages(self, request: Request):
+        """Anthropic's Messages API (`app.messages_api`); errors in Anthropic's shape."""
+        try:
+            tenant = self._keys.tenant(messages_api.authorization(request.headers))
+            session_id = self._session_header(request)
+            data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
+            if data.get("stream"):
+                events = self._message_events(data, session_id, tenant)
+                first = await anext(events)  # errors before the answer: a status
+                return StreamingResponse(_chain(first, events), media_type="text/event-stream")
+            return JSONResponse(await self._message(data, session_id, tenant))
+        except Exception as exc:
+            status, body = messages_api.error_shape(exc)
+            return JSONResponse(body, status_code=status, headers=_headers(exc))
+
+    @api.post("/v1/messages/count_tokens")
+    async def http_count_tokens(self, request: Request):
+        try:
+            self._keys.tenant(messages_api.authorization(request.headers))
+            data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
+            return await self._count_tokens(data)
+        except Exception as exc:
+            status, body = messages_api.error_shape(exc)
+            return JSONResponse(body, status_code=status, headers=_headers(exc))
+
+    @api.post("/v1/responses")
+    async def http_responses(self, request: Request):
+        """OpenAI's Responses API (`app.responses_api`), stateful by `previous_response_id`."""
+        try:
+            tenant = self._keys.tenant(request.headers.get("authorization"))
+            session_id = self._session_header(request)
+            data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
+            if data.get("stream"):
+                events = self._response_events(data, session_id, tenant)
+                first = await anext(events)
+                return StreamingResponse(_named_events(_chain(first, events)), media_type="text/event-stream")
+            return JSONResponse(await self._response(data, session_id, tenant))
+        except Exception as exc:
+            return _error_response(exc)
+
+    @api.get("/v1/responses/{response_id}")
+    async def http_get_response(self, response_id: str, request: Request):
+        try:
+            namespace = self._keys.namespace(request.headers.get("authorization"))
+            return (await self._stored_response(namespace, response_id)).body
+        except Exception as exc:
+            return _error_response(exc)
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def http_input_items(self, response_id: str, request: Request):
+        try:
+            namespace = self._keys.namespace(request.headers.get("authorization"))
+            items = (await self._stored_response(namespace, response_id)).input_items
+            return {
+                "object": "list",
+                "data": items,
+                "first_id": items[0].get("id") if items else None,
+                "last_id": items[-1].get("id") if items else None,
+                "has_more": False,
+            }
+        except Exception as exc:
+            return _error_response(exc)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def http_delete_response(self, response_id: str, request: Request):
+        """Forget a stored response; if no response continued it yet, its conversation's
+        pinned KV is freed too, as `DELETE /v1/sessions/{id}` does."""
+        try:
+            namespace = self._keys.namespace(request.headers.get("authorization"))
+            return await self._delete_response(namespace, response_id)
+        except Exception as exc:
+            return _error_response(exc)
+
     @api.get("/v1/kv/stats")
     async def kv_stats(self, request: Request):
         """Reuse counters: this ingress replica's turns, the handle store, the engines.
@@ -197,6 +314,9 @@ class Ingress:
             for shard in (stats.get("store") or {}).get("shards", []):
                 own = (shard.get("tenants") or {}).get(tenant.namespace)
                 shard["tenants"] = {tenant.namespace: own} if own else {}
+                responses = shard.get("responses") or {}
+                kept = (responses.get("response_tenants") or {}).get(tenant.namespace)
+                responses["response_tenants"] = {tenant.namespace: kept} if kept else {}
             stats["quota_refusals"] = {
                 q: n for (t, q), n in self._quotas.refused.items() if t == tenant.label
             }
@@ -207,13 +327,7 @@ class Ingress:
     async def _http(self, request: Request, model_cls, events, kind: str):
         try:
             tenant = self._keys.tenant(request.headers.get("authorization"))
-            session_id = request.headers.get(self._cfg.sessions.session_header)
-            if session_id is not None and not 0 < len(session_id) <= self._cfg.openai.max_session_id_chars:
-                raise APIError(
-                    400,
-                    f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters",
-                    param=self._cfg.sessions.session_header,
-                )
+            session_id = self._session_header(request)
             data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
             body = model_cls.model_validate(data)
             prepared = await self._prepare(body, session_id, events, tenant, stream=bool(body.stream))
@@ -276,6 +390,44 @@ class Ingress:
         Raises `APIError` 404 if no such session is kept (unknown, already ended, evicted)."""
         return await self._end_session(scoped(self._keys.handle_namespace(api_key), session_id), session_id)
 
+    @_handle_errors
+    async def messages(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
+        """Anthropic Messages API for `DeploymentHandle` callers (the body as a dict)."""
+        openai_api.check_json_values(body)
+        return await self._message(body, session_id, self._keys.handle_tenant(api_key))
+
+    @_handle_errors
+    async def messages_stream(
+        self, body: dict, session_id: str | None = None, api_key: str | None = None
+    ) -> AsyncIterator[dict]:
+        """Anthropic stream events as dicts (use `handle.options(stream=True)`)."""
+        openai_api.check_json_values(body)
+        async for event in self._message_events(body, session_id, self._keys.handle_tenant(api_key)):
+            yield messages_api.sse_dict(event)
+
+    @_handle_errors
+    async def responses(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
+        """Responses API for `DeploymentHandle` callers (the body as a dict)."""
+        openai_api.check_json_values(body)
+        return await self._response(body, session_id, self._keys.handle_tenant(api_key))
+
+    @_handle_errors
+    async def responses_stream(
+        self, body: dict, session_id: str | None = None, api_key: str | None = None
+    ) -> AsyncIterator[dict]:
+        """Responses stream events (use `handle.options(stream=True)`)."""
+        openai_api.check_json_values(body)
+        async for event in self._response_events(body, session_id, self._keys.handle_tenant(api_key)):
+            yield event
+
+    @_handle_errors
+    async def get_response(self, response_id: str, api_key: str | None = None) -> dict:
+        return (await self._stored_response(self._keys.handle_namespace(api_key), response_id)).body
+
+    @_handle_errors
+    async def delete_response(self, response_id: str, api_key: str | None = None) -> dict:
+        return await self._delete_response(self._keys.handle_namespace(api_key), response_id)
+
     async def _end_session(self, key: str, session_id: str) -> dict:
         if self._store is None:
             raise APIError(400, "this deployment keeps no sessions (mode=oneway)", param="session_id")
@@ -315,7 +467,15 @@ class Ingress:
     # -- turns -> OpenAI bodies ---------------------------------------------------------
 
     async def _prepare(
-        self, body, session_id: str | None, events, tenant: Tenant, *, stream: bool = True
+        self,
+        body,
+        session_id: str | None,
+        events,
+        tenant: Tenant,
+        *,
+        stream: bool = True,
+        request_id: str | None = None,
+        retain: bool = False,
     ) -> _Prepared:
         """Validate what vLLM's request models leave to the engine, render and tokenize
         (off the event loop: prompts can be large), and build the decode engine's
@@ -343,6 +503,8 @@ class Ingress:
             params = body.to_sampling_params(max_tokens, {})
         except (ValueError, TypeError) as exc:  # vLLM's checks of the client's values
             raise client_error(exc) from exc
+        if self._cfg.openai.compact_json:
+            openai_api.compact_structural_tag(params)
         openai_api.check_structured_output(params)
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -355,8 +517,8 @@ class Ingress:
             params=params,
         )
         turn = TurnInput(
-            request_id=("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-")
-            + uuid.uuid4().hex,
+            request_id=request_id
+            or ("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-") + uuid.uuid4().hex,
             sampling=sampling,
             session_id=scoped(tenant.namespace, session_id),
             namespace=tenant.namespace,
@@ -365,13 +527,16 @@ class Ingress:
             prompt_ids=ids,
             max_tokens_given=limit is not None,
             stream=stream,
+            retain=retain,
         )
         return _Prepared(turn, tenant, parser)
 
     async def _chat_events(self, body: ChatCompletionRequest):
         """The rendered prompt of a chat request and its output parser (which may adjust
         the request first: named/required tool choice -> guided JSON)."""
-        messages = body.template_messages(self._cfg.openai.max_messages)
+        messages = openai_api.strip_system(body.template_messages(self._cfg.openai.max_messages), self._strip)
+        if self._cfg.openai.compact_json:
+            messages = openai_api.compact_arguments(messages)
         kwargs = openai_api.template_kwargs(self._cfg, body)
         parser = self._parsers.for_request(body, kwargs)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -432,3 +597,190 @@ class Ingress:
     def _admitted(self, prepared: _Prepared):
         """The tenant's quotas for this turn (`app.quotas`): a 429 before anything runs."""
         return self._quotas.admit(prepared.tenant, len(prepared.turn.prompt_ids or ()))
+
+    # -- agents' APIs over the chat pipeline ----------------------------------------------
+
+    def _session_header(self, request: Request) -> str | None:
+        session_id = request.headers.get(self._cfg.sessions.session_header)
+        if session_id is not None and not 0 < len(session_id) <= self._cfg.openai.max_session_id_chars:
+            raise APIError(
+                400,
+                f"the session id must have 1 to {self._cfg.openai.max_session_id_chars} characters",
+                param=self._cfg.sessions.session_header,
+            )
+        return session_id
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._cfg.model_name:
+            raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
+
+    def _message_request(self, data: dict) -> tuple[ChatCompletionRequest, bool]:
+        request = messages_api.parse(data)
+        self._check_model(request.model)
+        body = messages_api.chat_request(request, merge_inline_system=self._merge_inline_system)
+        return messages_api.chat_extensions(data, body), messages_api.long_retention(data)
+
+    async def _message(self, data: dict, session_id: str | None, tenant: Tenant) -> dict:
+        body, retain = self._message_request(data)
+        prepared = await self._prepare(
+            body, session_id, self._chat_events, tenant, stream=False, retain=retain
+        )
+        return messages_api.message(await self._collect("chat.completion", body, prepared))
+
+    async def _message_events(self, data: dict, session_id: str | None, tenant: Tenant) -> AsyncIterator[str]:
+        body, retain = self._message_request(data)
+        prepared = await self._prepare(
+            body, session_id, self._chat_events, tenant, stream=True, retain=retain
+        )
+        chunks = self._chunks("chat.completion", body, prepared)
+        first = await anext(chunks)
+        async for event in messages_api.events(_chain(first, chunks), len(prepared.turn.prompt_ids or ())):
+            yield event
+
+    async def _count_tokens(self, data: dict) -> dict:
+        request = messages_api.parse(data, count_tokens=True)
+        self._check_model(request.model)
+        body = messages_api.chat_request(request, merge_inline_system=self._merge_inline_system)
+        text, _, _ = await self._chat_events(body)
+        return {"input_tokens": len(await asyncio.to_thread(self._tok.encode, text))}
+
+    async def _response_turn(self, data: dict, session_id: str | None, tenant: Tenant, *, stream: bool):
+        """Parse a Responses request, resolve the response it continues (its session, or
+        a new one for a fork), and prepare its turn. A continuation it owns is given back
+        if anything fails before its own response is stored (`_release`)."""
+        request = responses_api.parse(data)
+        self._check_model(request.model)
+        previous, owner = None, False
+        if request.previous_response_id is not None:
+            previous, owner = await self._continue(tenant.namespace, request)
+            # The first to continue a response carries on its session and KV; a fork
+            # starts a session of its own (it reuses what the engines' caches still hold).
+            session_id = previous.session_id if owner else uuid.uuid4().hex
+        turn = _ResponseTurn(request, tenant, previous, owner)
+        try:
+            history = previous.messages if previous is not None else None
+            turn.messages = responses_api.chat_messages(request, history)
+            turn.body = responses_api.chat_request(request, turn.messages)
+            turn.prepared = await self._prepare(
+                turn.body, session_id, self._chat_events, tenant, stream=stream, request_id=request.request_id
+            )
+        except BaseException:
+            await self._release(turn)
+            raise
+        return turn
+
+    async def _continue(self, namespace: str, request):
+        if self._store is None:
+            raise APIError(
+                400, "this deployment keeps no responses (mode=oneway)", param="previous_response_id"
+            )
+        key = scoped(namespace, request.previous_response_id)
+        try:
+            previous, owner = await self._store.continue_response(key, request.request_id)
+        except StoreUnavailable as exc:
+            raise ServerError(503, f"the response store is unavailable, retry: {exc}") from exc
+        if previous is None:
+            raise APIError(
+                400,
+                f"Previous response with id '{request.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return previous, owner
+
+    async def _release(self, turn: _ResponseTurn) -> None:
+        if turn.owner and turn.previous is not None and self._store is not None:
+            try:
+                await self._store.release_continuation(turn.previous.key, turn.request.request_id)
+            except StoreUnavailable:
+                pass  # the continuation stays taken: later ones fork (reuse lost, never an answer)
+
+    async def _response(self, data: dict, session_id: str | None, tenant: Tenant) -> dict:
+        turn = await self._response_turn(data, session_id, tenant, stream=False)
+        try:
+            chat = await self._collect("chat.completion", turn.body, turn.prepared)
+            choice = chat["choices"][0]
+            output = responses_api.output_items(turn.request, choice["message"])
+            response = responses_api.body(
+                turn.request,
+                turn.prepared.turn.sampling.params,
+                self._cfg.model_name,
+                chat["created"],
+                output,
+                choice["finish_reason"],
+                chat["usage"],
+                chat["kvturn"],
+            )
+            await self._keep_response(turn, response)
+        except BaseException:
+            await self._release(turn)
+            raise
+        return response
+
+    async def _response_events(
+        self, data: dict, session_id: str | None, tenant: Tenant
+    ) -> AsyncIterator[dict]:
+        turn = await self._response_turn(data, session_id, tenant, stream=True)
+        try:
+            chunks = self._chunks("chat.completion", turn.body, turn.prepared)
+            first = await anext(chunks)
+            stream = responses_api.EventStream(
+                turn.request, turn.prepared.turn.sampling.params, self._cfg.model_name
+            )
+            kept = False
+
+            async def keep(response: dict) -> None:
+                nonlocal kept
+                await self._keep_response(turn, response)
+                kept = True
+
+            async for event in responses_api.events(stream, _chain(first, chunks), keep):
+                yield event
+        finally:
+            if not kept:
+                await asyncio.shield(self._release(turn))
+
+    async def _keep_response(self, turn: _ResponseTurn, response: dict) -> None:
+        """Store a finished response (unless `store: false`) with what it added to its
+        conversation: its input messages and its output as the next turn renders it."""
+        if not turn.request.store or self._store is None:
+            return
+        previous = turn.previous
+        history = previous.messages if previous is not None else []
+        added = turn.messages[_history_length(turn, history) :]
+        stored = StoredResponse(
+            key=scoped(turn.tenant.namespace, response["id"]),
+            session_id=response["kvturn"]["session_id"],
+            created_at=time.time(),
+            body=response,
+            messages=added + [responses_api.assistant_message(response["output"])],
+            input_items=responses_api.input_items(turn.request),
+            parent_key=previous.key if previous is not None else None,
+        )
+        try:
+            result = await self._store.put_response(stored, history)
+        except StoreUnavailable as exc:
+            logger.warning("response %s not stored: %r", response["id"], exc)
+            result = "unavailable"
+        if result != "stored":
+            self._turns.counts[f"responses_not_stored_{result}"] += 1
+
+    async def _stored_response(self, namespace: str, response_id: str) -> StoredResponse:
+        if self._store is None:
+            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
+        found = await self._store.get_response(scoped(namespace, response_id))
+        if found is None:
+            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
+        return found
+
+    async def _delete_response(self, namespace: str, response_id: str) -> dict:
+        if self._store is None:
+            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
+        found = await self._store.delete_response(scoped(namespace, response_id))
+        if found is None:
+            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
+        if found.continued_by is None:
+            # The latest of its chain: its conversation's pinned KV goes with it.
+            await self._store.end_session(scoped(namespace, found.session_id))
+            await self._turns.memory.flush()
+        return {"id": response_id, "object": "response", "deleted": True}

@@ -247,7 +247,7 @@ class StoreGauges:
         )
         self.exits = ray_metrics.Gauge(
             "kvturn_store_handle_exits",
-            "Handles that left the store, by exit (cumulative, per store).",
+            "Handles that left the store, by exit, and stored-response events (responses_*; cumulative).",
             tag_keys=("exit",),
         )
         self.tenant = ray_metrics.Gauge(
@@ -267,9 +267,8 @@ class StoreGauges:
         sessions = claimed = 0
         for shard in shards:
             states.update(shard.get("handles") or {})
-            exits.update(
-                {k: v for k, v in (shard.get("counts") or {}).items() if isinstance(v, (int, float))}
-            )
+            for counts in (shard.get("counts"), (shard.get("responses") or {}).get("counts")):
+                exits.update({k: v for k, v in (counts or {}).items() if isinstance(v, (int, float))})
             pinned.update(shard.get("pinned_blocks") or {})
             sessions += int(shard.get("sessions") or 0)
             claimed += int(shard.get("claimed_handles") or 0)

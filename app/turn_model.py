@@ -53,6 +53,7 @@ class Store(MemoryStore, Protocol):
         outcome: TurnOutcome,
         conversation: Conversation | None,
         engine_blocks: int | None = None,
+        retain: bool = False,
     ) -> None: ...
 
     async def drop_engine(self, engine_id: str) -> int: ...
@@ -76,6 +77,9 @@ class TurnInput:
     """The client sees the answer as it is generated. A turn that does not stream gets
     its deltas at the end, so a decode replica that fails midway costs a recompute on
     another replica, not an error."""
+    retain: bool = False
+    """The client asked for long retention (Anthropic `cache_control` ttl "1h"): the
+    store evicts this conversation's pinned KV after ones that did not ask."""
 
 
 @dataclass(frozen=True)

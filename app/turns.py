@@ -185,7 +185,7 @@ class Turns:
         finally:
             if claim is not None and self._store is not None:
                 # Shielded: runs even when the client disconnects mid-stream.
-                stored = self._store.end_turn(claim, outcome, new_conv, engine_blocks)
+                stored = self._store.end_turn(claim, outcome, new_conv, engine_blocks, retain=turn.retain)
                 await asyncio.shield(self._store_call(stored, None, "end_turn"))
                 self.memory.release_soon()
 

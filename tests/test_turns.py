@@ -232,10 +232,15 @@ class LocalStore:
         return self.inner.begin_turn(session_id)
 
     async def end_turn(
-        self, claim: Claim, outcome: TurnOutcome, conversation: Conversation | None, engine_blocks=None
+        self,
+        claim: Claim,
+        outcome: TurnOutcome,
+        conversation: Conversation | None,
+        engine_blocks=None,
+        retain: bool = False,
     ) -> None:
         self.ended.append((claim.session_id, outcome, conversation))
-        self.inner.end_turn(claim.lease_id, outcome, conversation, engine_blocks)
+        self.inner.end_turn(claim.lease_id, outcome, conversation, engine_blocks, retain)
 
     async def drop_engine(self, engine_id: str) -> int:
         self.dropped.append(engine_id)
@@ -1004,9 +1009,9 @@ class FailingStore(LocalStore):
         self._check("begin_turn")
         return await super().begin_turn(session_id)
 
-    async def end_turn(self, claim, outcome, conversation, engine_blocks=None):
+    async def end_turn(self, claim, outcome, conversation, engine_blocks=None, retain=False):
         self._check("end_turn")
-        return await super().end_turn(claim, outcome, conversation, engine_blocks)
+        return await super().end_turn(claim, outcome, conversation, engine_blocks, retain)
 
 
 def failing_store_rig(model_dir, failing: set[str]) -> Rig:

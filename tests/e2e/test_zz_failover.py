@@ -52,6 +52,38 @@ def test_no_handle_left_claimed_and_pins_expire(apps):
     assert all(s["handles"].get("stored", 0) == 0 for s in stats), stats
 
 
+def test_response_chain_outlives_its_ingress_replica(apps):
+    """Stored responses live in the store's shards: a chain goes on through the ingress
+    replica that replaced the one that answered its first turn, with its history reused."""
+    body = {"model": MODEL, "instructions": SYSTEM, "input": "Where is Oslo?", "max_output_tokens": 12}
+    body["temperature"] = 0
+    first = {
+        app: httpx.post(apps["url"] + prefix + "/v1/responses", json=body, timeout=300).json()
+        for app, prefix in (("pd", ""), ("ref", "/ref"))
+    }
+    ray.kill(_replica_actor("Ingress"), no_restart=True)
+    _wait_running("Ingress", 1)
+    deadline = time.monotonic() + 120
+    while httpx.get(apps["url"] + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the new ingress replica never became healthy"
+        time.sleep(1)
+    follow = {**body, "input": "And its weather?"}
+    second = {
+        app: httpx.post(
+            apps["url"] + prefix + "/v1/responses",
+            json={**follow, "previous_response_id": first[app]["id"]},
+            timeout=300,
+        )
+        for app, prefix in (("pd", ""), ("ref", "/ref"))
+    }
+    assert second["pd"].status_code == 200, second["pd"].text
+    mine, theirs = second["pd"].json(), second["ref"].json()
+    history = first["pd"]["usage"]["input_tokens"] + first["pd"]["usage"]["output_tokens"]
+    assert mine["usage"]["input_tokens_details"]["cached_tokens"] >= 0.9 * history, mine["usage"]
+    assert mine["kvturn"]["session_id"] == first["pd"]["kvturn"]["session_id"]
+    assert mine["output"][0]["content"][0]["text"] == theirs["output"][0]["content"][0]["text"]
+
+
 def test_decode_replica_killed_between_turns(apps):
     url = apps["url"]
     msgs = [
