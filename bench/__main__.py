@@ -4,6 +4,7 @@
     python -m bench --profile smoke --out /tmp/smoke.json
     python -m bench --profile gpu            # one accelerator, Qwen3-8B shape, ~24k-token histories
     python -m bench --url http://host:8000 --label bidir-prod   # an already running deployment
+    python -m bench --api responses          # sessions speak OpenAI's Responses API (bidir, single)
     python -m bench store --quick            # the session store alone (bench/store.py)
 
 Without --url it starts a local Ray cluster of its own, deploys the app once per mode
@@ -23,6 +24,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.apis import Api
 from bench.profiles import MODES, PROFILES, cluster_cpus
 from bench.profiles import profile as get_profile
 
@@ -63,11 +65,29 @@ embedding and LM head are too); they are written under models/ on first use.
 """
 
 
+API_HELP = """\
+APIs (--api; one per run, every session, warm-up included, on the same workload):
+  chat       (default) POST /v1/chat/completions: the whole history every turn, the
+             session in the session header.
+  responses  POST /v1/responses, stateful: after the first turn only the new input, with
+             previous_response_id (no session header). Tool results of --tool-calls
+             workloads go as function_call + function_call_output items, others as user
+             messages. Needs the app's response store: not in oneway, which is left out of
+             the default --modes.
+  messages   POST /v1/messages (Anthropic): the whole history every turn, tool results as
+             tool_result blocks, tool calls as tool_use blocks; no session header (the
+             server finds the conversation by its prompt). The API has no kvturn extension:
+             no per-request reuse facts or app timings.
+The results name the API in a top-level "api" field and in each mode's; run the benchmark
+once per API (e.g. --out bench/results/responses.json) to compare reuse and TTFT.
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__,
-        epilog=PROFILE_HELP,
+        epilog=API_HELP + "\n" + PROFILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -75,8 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help="comma-separated modes to deploy, in order (default: %(default)s)",
+        help=f"comma-separated modes to deploy, in order (default: {','.join(MODES)}; "
+        "without oneway for --api responses)",
+    )
+    p.add_argument(
+        "--api",
+        type=Api,
+        choices=list(Api),
+        default=Api.CHAT,
+        metavar="{" + ",".join(a.value for a in Api) + "}",
+        help="the API every session speaks (default: chat; see APIs below)",
     )
     p.add_argument("--url", help="benchmark a deployment already serving at URL (one mode; no deploy)")
     p.add_argument("--label", help="name of the --url deployment in the results (default: 'url')")
@@ -225,6 +253,24 @@ def _profile_from(args: argparse.Namespace):
     )
 
 
+# Modes that keep no responses: a Responses chain can't continue there.
+NO_RESPONSE_STORE = ("oneway",)
+
+
+def _modes(requested: str | None, api: Api) -> list[str]:
+    """The modes to deploy, in order: `--modes`, or all that can serve `api`."""
+    if requested is None:
+        return [m for m in MODES if not (api is Api.RESPONSES and m in NO_RESPONSE_STORE)]
+    modes = [m.strip() for m in requested.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {list(MODES)}")
+    stateless = [m for m in modes if m in NO_RESPONSE_STORE]
+    if api is Api.RESPONSES and stateless:
+        raise SystemExit(f"--api responses needs the response store, which mode(s) {stateless} lack")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["store"]:  # the session store benchmark: python -m bench store [--quick ...]
@@ -257,10 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warmup = generate(warm_spec, counter, tag="warmup")
 
-    modes = [args.label or "url"] if args.url else [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES] if not args.url else []
-    if bad:
-        raise SystemExit(f"unknown mode(s) {bad}: choose from {list(MODES)}")
+    modes = [args.label or "url"] if args.url else _modes(args.modes, args.api)
 
     total = len(modes) * spec.sessions * spec.turns
     bar = tqdm(total=total, unit="turn", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
@@ -278,12 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     if args.url:
         bar.set_description(modes[0])
-        runs.append(runner.run_url(args.url, modes[0], workload, warmup, on_turn, log))
+        runs.append(runner.run_url(args.url, modes[0], workload, warmup, on_turn, log, api=args.api))
     else:
         with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
             for mode in modes:
                 bar.set_description(mode)
-                runs.append(runner.run_mode(cluster, prof, mode, model_path, workload, warmup, on_turn, log))
+                runs.append(
+                    runner.run_mode(
+                        cluster, prof, mode, model_path, workload, warmup, on_turn, log, api=args.api
+                    )
+                )
     bar.close()
 
     meta = {
@@ -293,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_path,
         "model_name": Path(model_path).name if "/" in model_path else model_path,
         "url": args.url,
+        "api": args.api.value,
         "engine": {k: v for k, v in prof.as_dict().items() if k not in ("workload", "name", "model")},
         "workload": workload.summary(),
         "host": {

@@ -1,8 +1,9 @@
-"""The load generator: runs a workload's sessions against `/v1/chat/completions`.
+"""The load generator: runs a workload's sessions against one of the server's APIs
+(`bench.apis`: chat completions by default, OpenAI Responses, Anthropic Messages).
 
 Sessions run concurrently (at most `concurrency` at once), the turns of a session one
-after another. Every turn is a streaming request carrying the session header; the client
-times it and reads usage and the `kvturn` reuse facts from the final chunks.
+after another. Every turn is a streaming request; the client times it and reads usage and
+the `kvturn` reuse facts from the end of the stream.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from bench.apis import Api, Dialog, TurnFailed, dialog
 from bench.workload import SessionPlan, Workload
 
 
@@ -48,86 +50,44 @@ class TurnRecord:
         return asdict(self)
 
 
-class TurnFailed(RuntimeError):
-    pass
-
-
-async def chat_turn(
+async def send_turn(
     client: httpx.AsyncClient,
     url: str,
-    model: str,
+    dialog: Dialog,
     messages: list[dict],
     *,
-    session_id: str,
-    max_tokens: int,
     record: TurnRecord,
     t0: float,
-    session_header: str = "x-session-id",
 ) -> str:
-    """Send one streaming turn, fill `record`, return the answer text."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
-    texts: list[str] = []
-    stamps: list[float] = []
+    """Send one streaming turn that answers `messages`, fill `record`, return the answer
+    text. TTFT is timed to the first decode step the API streams, ITL between steps."""
+    body, headers = dialog.request(messages)
+    reader = dialog.reader(record)
     start = time.perf_counter()
     record.start_s = start - t0
-    async with client.stream(
-        "POST", url + "/v1/chat/completions", json=body, headers={session_header: session_id}
-    ) as r:
+    async with client.stream("POST", url + dialog.path, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise TurnFailed(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
         done = False
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
+            if reader.feed(line[len("data: ") :]):
                 done = True
                 break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise TurnFailed(f"in-stream error: {chunk['error']}")
-            now = time.perf_counter()
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                # The opening chunk only names the role; every later delta carries the
-                # output of a decode step: its token ids (`return_token_ids`), and its
-                # text, which is empty for special tokens.
-                if choice.get("token_ids") or ("content" in delta and "role" not in delta):
-                    stamps.append(now)
-                    texts.append(delta.get("content") or "")
-                if choice.get("finish_reason"):
-                    record.finish_reason = choice["finish_reason"]
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-                record.prompt_tokens = usage.get("prompt_tokens")
-                record.completion_tokens = usage.get("completion_tokens")
-                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            if "kvturn" in chunk:
-                kv = chunk["kvturn"]
-                record.reused_from_decode = kv.get("reused_from_decode")
-                record.miss_reason = kv.get("miss_reason")
-                record.spliced = kv.get("spliced")
-                record.timings = kv.get("timings")
         if not done:
-            raise TurnFailed("stream ended without [DONE]")
+            raise TurnFailed(f"stream ended without {reader.end}")
     end = time.perf_counter()
+    stamps = reader.stamps
     if not stamps:
         raise TurnFailed("no content chunk in the stream")
     record.ttft_s = stamps[0] - start
     record.e2e_s = end - start
     record.itl_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    text = "".join(texts)
+    text = "".join(reader.texts)
     record.answer_chars = len(text)
     record.ok = True
+    dialog.answered(reader)
     return text
 
 
@@ -142,7 +102,13 @@ async def run_session(
     t0: float,
     on_turn: Callable[[TurnRecord], None],
     session_header: str,
+    api: Api = Api.CHAT,
 ) -> list[TurnRecord]:
+    """The session's turns one after another, in `api`; the conversation is kept as chat
+    messages (`bench.apis` converts it)."""
+    session = dialog(
+        api, model, workload.spec.answer_tokens, session_id=session_id, session_header=session_header
+    )
     messages: list[dict] = [{"role": "system", "content": workload.system}]
     records: list[TurnRecord] = []
     for i, turn in enumerate(plan.turns):
@@ -151,17 +117,7 @@ async def run_session(
         messages.extend(turn.messages)
         record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
         try:
-            answer = await chat_turn(
-                client,
-                url,
-                model,
-                messages,
-                session_id=session_id,
-                max_tokens=workload.spec.answer_tokens,
-                record=record,
-                t0=t0,
-                session_header=session_header,
-            )
+            answer = await send_turn(client, url, session, messages, record=record, t0=t0)
         except (TurnFailed, httpx.HTTPError, json.JSONDecodeError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
             records.append(record)
@@ -216,8 +172,10 @@ async def run_workload(
     on_turn: Callable[[TurnRecord], None] = lambda r: None,
     session_header: str = "x-session-id",
     timeout_s: float = 1800.0,
+    api: Api = Api.CHAT,
 ) -> tuple[list[TurnRecord], float]:
-    """Run all sessions; return their records (session, turn order) and the wall time."""
+    """Run all sessions, each speaking `api`; return their records (session, turn order)
+    and the wall time."""
     sem = asyncio.Semaphore(workload.spec.concurrency)
     limits = httpx.Limits(max_connections=workload.spec.concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
@@ -235,6 +193,7 @@ async def run_workload(
                     t0=t0,
                     on_turn=on_turn,
                     session_header=session_header,
+                    api=api,
                 )
 
         results = await asyncio.gather(*(one(p) for p in workload.sessions))

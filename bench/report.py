@@ -9,9 +9,25 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.apis import Api
 from bench.runner import ModeRun
 
 RATIOS = (("oneway", "bidir"), ("bidir", "single"))
+API_NOTES = {
+    Api.CHAT: "",
+    Api.RESPONSES: (
+        " Sessions spoke the Responses API (`/v1/responses`, chained by previous_response_id, only the "
+        "new input each turn): TTFT to the first response.output_text.delta, cached from "
+        "usage.input_tokens_details.cached_tokens, from decode and the app's timings from the response's "
+        "kvturn extension."
+    ),
+    Api.MESSAGES: (
+        " Sessions spoke Anthropic's Messages API (`/v1/messages`, whole history, no session header): TTFT "
+        "to the first text_delta, prompt tokens input_tokens + cache_read_input_tokens, cached "
+        "cache_read_input_tokens; the API has no kvturn extension, so from decode and the app's timings "
+        "show -."
+    ),
+}
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -31,6 +47,13 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def _sum(values: Iterable[int | None]) -> int:
     return sum(v for v in values if v is not None)
+
+
+def _sum_reported(values: Iterable[int | None]) -> int | None:
+    """Like `_sum`, but None when every value is missing (an API without the `kvturn`
+    extension reports none)."""
+    xs = list(values)
+    return None if xs and all(v is None for v in xs) else _sum(xs)
 
 
 def _timings(records: list, key: str) -> list[float]:
@@ -60,7 +83,7 @@ def turn_stats(records: list) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "computed_tokens": prompt - cached,
-        "reused_from_decode": _sum(r.reused_from_decode for r in ok),
+        "reused_from_decode": _sum_reported(r.reused_from_decode for r in ok),
         "completion_tokens": _sum(r.completion_tokens for r in ok),
         "miss_reasons": sorted({r.miss_reason for r in ok if r.miss_reason}),
         # The app's own breakdown (mean seconds from the turn's start at the ingress).
@@ -98,6 +121,7 @@ def summarize(run: ModeRun, turns: int) -> dict[str, Any]:
     prefill = run.engines.get("prefill")
     return {
         "label": run.label,
+        "api": Api(run.api).value,
         "deploy_s": run.deploy_s,
         "warmup_s": run.warmup_s,
         "turns": per_turn,
@@ -171,7 +195,8 @@ def plot(results: dict, path: Path) -> Path | None:
     ax.set_ylabel("TTFT p50 (s)")
     w = results.get("workload", {})
     ax.set_title(
-        f"kvturn: time to first token per turn ({results.get('profile', '')}, {w.get('sessions')} sessions)"
+        f"kvturn: time to first token per turn ({results.get('profile', '')}, {w.get('sessions')} sessions, "
+        f"{results.get('api', Api.CHAT.value)} API)"
     )
     ax.set_xticks(range(1, (w.get("turns") or 1) + 1))
     ax.set_ylim(bottom=0)
@@ -212,8 +237,9 @@ def markdown(results: dict) -> str:
     turns = len(next(iter(modes.values()))["turns"]) if modes else 0
     lines = []
     w = results.get("workload", {})
+    api = Api(results.get("api", Api.CHAT.value))
     lines.append(
-        f"Profile `{results.get('profile')}`: model `{results.get('model_name')}`, "
+        f"Profile `{results.get('profile')}`: model `{results.get('model_name')}`, API `{api.value}`, "
         f"{w.get('sessions')} sessions x {w.get('turns')} turns (concurrency {w.get('concurrency')}), "
         f"answers {w.get('answer_tokens')} tokens, tool results ~{w.get('tool_tokens')} tokens."
     )
@@ -366,6 +392,6 @@ def markdown(results: dict) -> str:
         "requests. prefill leg done / first token at ingress: the app's own timings (kvturn.timings), mean "
         "seconds from the turn's arrival at the ingress. NIXL reads: transfers each engine made (prefill "
         "pulling history from decode, decode reading new blocks from prefill), their total time and size, "
-        "from the NixlConnector's own stats."
+        "from the NixlConnector's own stats." + API_NOTES[api]
     )
     return "\n".join(lines)

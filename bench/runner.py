@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.apis import Api
 from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
 from bench.workload import Workload
@@ -44,6 +45,8 @@ class ModeRun:
     label: str
     records: list[TurnRecord]
     wall_s: float
+    api: Api = Api.CHAT
+    """The API every session spoke (warm-up included)."""
     deploy_s: float | None = None
     warmup_s: float | None = None
     engines: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -144,31 +147,42 @@ def wait_engines_gone(ours: set[int], timeout_s: float = 90.0) -> bool:
 # -- runs --------------------------------------------------------------------------------
 
 
-def _measure(url: str, model: str, workload: Workload, label: str, on_turn) -> tuple[list[TurnRecord], float]:
+def _measure(
+    url: str, model: str, workload: Workload, label: str, on_turn, api: Api
+) -> tuple[list[TurnRecord], float]:
     prefix = f"bench-{label}-{uuid.uuid4().hex[:8]}"
-    return asyncio.run(run_workload(url, model, workload, session_prefix=prefix, on_turn=on_turn))
+    return asyncio.run(run_workload(url, model, workload, session_prefix=prefix, on_turn=on_turn, api=api))
 
 
-def run_url(url: str, label: str, workload: Workload, warmup: Workload | None, on_turn, log) -> ModeRun:
+def run_url(
+    url: str,
+    label: str,
+    workload: Workload,
+    warmup: Workload | None,
+    on_turn,
+    log,
+    api: Api = Api.CHAT,
+) -> ModeRun:
     """Benchmark a deployment that is already serving at `url` (no deploy, no engine
     counters: only the ingress's turn counters from `/v1/kv/stats`)."""
     url = url.rstrip("/")
     asyncio.run(wait_healthy(url, 60))
     model = asyncio.run(served_model(url))
-    log(f"[{label}] serving {model} at {url}")
+    log(f"[{label}] serving {model} at {url}, sessions speak {api.value}")
     warmup_s = None
     if warmup is not None:
         t = time.perf_counter()
-        _measure(url, model, warmup, label + "-warmup", lambda r: None)
+        _measure(url, model, warmup, label + "-warmup", lambda r: None, api)
         warmup_s = time.perf_counter() - t
     before = asyncio.run(kv_stats(url))
-    records, wall = _measure(url, model, workload, label, on_turn)
+    records, wall = _measure(url, model, workload, label, on_turn, api)
     after = asyncio.run(kv_stats(url))
     return ModeRun(
         mode=label,
         label=label,
         records=records,
         wall_s=wall,
+        api=api,
         warmup_s=warmup_s,
         kv_stats=_turn_counts_delta(after, before),
     )
@@ -223,6 +237,7 @@ def run_mode(
     warmup: Workload | None,
     on_turn: Callable[[TurnRecord], None],
     log: Callable[[str], None],
+    api: Api = Api.CHAT,
 ) -> ModeRun:
     from ray import serve
 
@@ -244,14 +259,14 @@ def run_mode(
         warmup_s = None
         if warmup is not None:
             t = time.perf_counter()
-            _measure(url, model, warmup, mode + "-warmup", lambda r: None)
+            _measure(url, model, warmup, mode + "-warmup", lambda r: None, api)
             warmup_s = time.perf_counter() - t
         time.sleep(1.0)  # engine stats are recorded after each step's outputs
         roles: tuple[tuple[str, str], ...] = (("prefill", "PrefillServer"),) if cfg.disaggregated else ()
         roles += (("decode", "DecodeServer"),)
         before = {role: engine_counters(app_name, dep) for role, dep in roles}
         kv_before = asyncio.run(kv_stats(url))
-        records, wall = _measure(url, model, workload, mode, on_turn)
+        records, wall = _measure(url, model, workload, mode, on_turn, api)
         time.sleep(1.0)
         after = {role: engine_counters(app_name, dep) for role, dep in roles}
         kv_after = asyncio.run(kv_stats(url))
@@ -265,6 +280,7 @@ def run_mode(
         label=mode,
         records=records,
         wall_s=wall,
+        api=api,
         deploy_s=deploy_s,
         warmup_s=warmup_s,
         engines=engines,
