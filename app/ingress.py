@@ -13,10 +13,9 @@ import inspect
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -101,26 +100,6 @@ class _Prepared:
     tenant: Tenant
     parser: Any = None
     """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
-
-
-@dataclass
-class _ResponseTurn:
-    """A Responses request on its way: the response it continues and the turn it runs as."""
-
-    request: Any
-    tenant: Tenant
-    previous: StoredResponse | None
-    owner: bool
-    messages: list[dict] = field(default_factory=list)
-    body: Any = None
-    prepared: Any = None
-
-
-def _history_length(turn: _ResponseTurn, history: list[dict]) -> int:
-    """How many of the turn's chat messages came from the stored history (and the
-    request's instructions), not from its input."""
-    instructions = 1 if turn.request.instructions else 0
-    return instructions + sum(1 for m in history if m.get("role") != "system")
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -656,7 +635,7 @@ class Ingress:
             # The first to continue a response carries on its session and KV; a fork
             # starts a session of its own (it reuses what the engines' caches still hold).
             session_id = previous.session_id if owner else uuid.uuid4().hex
-        turn = _ResponseTurn(request, tenant, previous, owner)
+        turn = responses_api.ResponseTurn(request, tenant, previous, owner)
         try:
             history = previous.messages if previous is not None else None
             turn.messages = responses_api.chat_messages(request, history)
@@ -688,7 +667,7 @@ class Ingress:
             )
         return previous, owner
 
-    async def _release(self, turn: _ResponseTurn) -> None:
+    async def _release(self, turn: responses_api.ResponseTurn) -> None:
         if turn.owner and turn.previous is not None and self._store is not None:
             try:
                 await self._store.release_continuation(turn.previous.key, turn.request.request_id)
@@ -740,23 +719,12 @@ class Ingress:
             if not kept:
                 await asyncio.shield(self._release(turn))
 
-    async def _keep_response(self, turn: _ResponseTurn, response: dict) -> None:
+    async def _keep_response(self, turn: responses_api.ResponseTurn, response: dict) -> None:
         """Store a finished response (unless `store: false`) with what it added to its
         conversation: its input messages and its output as the next turn renders it."""
         if not turn.request.store or self._store is None:
             return
-        previous = turn.previous
-        history = previous.messages if previous is not None else []
-        added = turn.messages[_history_length(turn, history) :]
-        stored = StoredResponse(
-            key=scoped(turn.tenant.namespace, response["id"]),
-            session_id=response["kvturn"]["session_id"],
-            created_at=time.time(),
-            body=response,
-            messages=added + [responses_api.assistant_message(response["output"])],
-            input_items=responses_api.input_items(turn.request),
-            parent_key=previous.key if previous is not None else None,
-        )
+        stored, history = turn.stored(response)
         try:
             result = await self._store.put_response(stored, history)
         except StoreUnavailable as exc:

@@ -16,11 +16,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from app.auth import Tenant, scoped
 from app.errors import APIError, client_error
 from app.messages_api import refuse_server_fields
 from app.protocol import ChatCompletionRequest
+from connector.response_store import StoredResponse
 
 UNSUPPORTED = {
     "background": "background responses are not supported",
@@ -65,12 +68,53 @@ def parse(data: dict[str, Any]):
 
 
 def input_items(request) -> list[dict[str, Any]]:
-    """The request's input as items (a string is one user message), for storing."""
+    """The request's input as items (a string is one user message), each with an id, for
+    storing and listing (`GET /v1/responses/{id}/input_items`)."""
     if isinstance(request.input, str):
-        return [
+        items = [
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": request.input}]}
         ]
-    return [item if isinstance(item, dict) else item.model_dump(exclude_none=True) for item in request.input]
+    else:
+        items = [dict(i) if isinstance(i, dict) else i.model_dump(exclude_none=True) for i in request.input]
+    for item in items:
+        item.setdefault("id", "msg_" + uuid.uuid4().hex[:24])
+    return items
+
+
+@dataclass
+class ResponseTurn:
+    """A Responses request on its way: the response it continues (`previous`, whose
+    continuation it `owner`s or forks) and the chat turn it runs as."""
+
+    request: Any
+    tenant: Tenant
+    previous: StoredResponse | None
+    owner: bool
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat messages of the whole conversation this response answers."""
+    body: Any = None
+    prepared: Any = None
+
+    def stored(self, response: dict[str, Any]) -> tuple[StoredResponse, list[dict[str, Any]]]:
+        """The response to store: what it added to its conversation (its input messages
+        and its output as the next turn renders it) over its parent; and the parent's
+        whole history, to store it alone if the shard lost the parent."""
+        history = self.previous.messages if self.previous is not None else []
+        # The messages that came from the history and the request's instructions (which
+        # do not carry over a chain), not from its input.
+        inherited = (1 if self.request.instructions else 0) + sum(
+            1 for m in history if m.get("role") != "system"
+        )
+        stored = StoredResponse(
+            key=scoped(self.tenant.namespace, response["id"]),
+            session_id=response["kvturn"]["session_id"],
+            created_at=time.time(),
+            body=response,
+            messages=self.messages[inherited:] + [assistant_message(response["output"])],
+            input_items=input_items(self.request),
+            parent_key=self.previous.key if self.previous is not None else None,
+        )
+        return stored, history
 
 
 def chat_messages(request, history: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

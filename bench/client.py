@@ -32,6 +32,8 @@ class TurnRecord:
     start_s: float = 0.0
     """Seconds since the mode's measured phase began."""
     ttft_s: float | None = None
+    ttft_text_s: float | None = None
+    """To the first decode step that carries text (comparable across APIs)."""
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     """Gaps between consecutive content chunks (one token per chunk in this app)."""
@@ -82,6 +84,9 @@ async def send_turn(
     if not stamps:
         raise TurnFailed("no content chunk in the stream")
     record.ttft_s = stamps[0] - start
+    # To the first step with text: the one definition all three APIs share (chat streams
+    # steps whose text is empty, Responses and Messages do not).
+    record.ttft_text_s = next((s - start for s, t in zip(stamps, reader.texts, strict=True) if t), None)
     record.e2e_s = end - start
     record.itl_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     text = "".join(reader.texts)

@@ -75,6 +75,8 @@ def turn_stats(records: list) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_mean_s": _mean(ttft),
+        "ttft_text_p50_s": percentile([r.ttft_text_s for r in ok if r.ttft_text_s is not None], 50),
+        "ttft_text_mean_s": _mean(r.ttft_text_s for r in ok if r.ttft_text_s is not None),
         "itl_mean_s": _mean(itl),
         "tpot_mean_s": _mean(tpot),
         "e2e_mean_s": _mean(r.e2e_s for r in ok),

@@ -188,3 +188,45 @@ def test_a_tenant_over_its_token_rate_is_refused_with_retry_after(ten):
     assert r.status_code == 404
     # Other tenants are not limited by it.
     assert post(url, KEY_A, long, session="a-rate").status_code == 200
+
+
+def test_stored_responses_and_messages_keys_belong_to_their_tenant(ten):
+    url = ten["url"]
+    auth = lambda key: {"authorization": f"Bearer {key}"}  # noqa: E731
+    body = {
+        "model": MODEL,
+        "instructions": SYSTEM,
+        "input": "Our launch date is secret.",
+        "max_output_tokens": 8,
+    }
+    first = ok(
+        httpx.post(url + "/v1/responses", json={**body, "temperature": 0}, headers=auth(KEY_A), timeout=300)
+    )
+    rid = first["id"]
+    # Another tenant can neither read, continue nor delete it.
+    assert httpx.get(f"{url}/v1/responses/{rid}", headers=auth(KEY_B), timeout=30).status_code == 404
+    assert httpx.delete(f"{url}/v1/responses/{rid}", headers=auth(KEY_B), timeout=30).status_code == 404
+    cont = {"model": MODEL, "input": "When is it?", "previous_response_id": rid, "max_output_tokens": 8}
+    theirs = httpx.post(url + "/v1/responses", json=cont, headers=auth(KEY_B), timeout=300)
+    assert theirs.status_code == 400 and theirs.json()["error"]["code"] == "previous_response_not_found"
+    shards = httpx.get(url + "/v1/kv/stats", headers=auth(KEY_B), timeout=30).json()["store"]["shards"]
+    assert all(not s["responses"]["response_tenants"] for s in shards), shards
+    # Its own tenant continues it with the history reused.
+    mine = ok(
+        httpx.post(
+            url + "/v1/responses", json={**cont, "instructions": SYSTEM}, headers=auth(KEY_A), timeout=300
+        )
+    )
+    history = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert mine["usage"]["input_tokens_details"]["cached_tokens"] >= 0.9 * history - ten["cfg"].block_size
+    assert (
+        httpx.delete(f"{url}/v1/responses/{mine['id']}", headers=auth(KEY_A), timeout=30).status_code == 200
+    )
+    # The Messages API takes the key as x-api-key, and refuses in Anthropic's shape without one.
+    message = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        ok(httpx.post(url + "/v1/messages", json=message, headers={"x-api-key": KEY_B}, timeout=300))["type"]
+        == "message"
+    )
+    refused = httpx.post(url + "/v1/messages", json=message, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
