@@ -700,13 +700,13 @@ class Ingress:
         self, data: dict, session_id: str | None, tenant: Tenant
     ) -> AsyncIterator[dict]:
         turn = await self._response_turn(data, session_id, tenant, stream=True)
+        kept = False
         try:
             chunks = self._chunks("chat.completion", turn.body, turn.prepared)
             first = await anext(chunks)
             stream = responses_api.EventStream(
                 turn.request, turn.prepared.turn.sampling.params, self._cfg.model_name
             )
-            kept = False
 
             async def keep(response: dict) -> None:
                 nonlocal kept

@@ -439,3 +439,35 @@ def test_json_spaces_are_removed_outside_strings_across_pieces():
     spaces = openai_api.JsonSpaces()
     pieces = ['{"a b": ', '"x \\" y", "c"', ": [1, 2],\n", ' "d": "\\\\"}']
     assert "".join(spaces.feed(p) for p in pieces) == '{"a b":"x \\" y","c":[1,2],"d":"\\\\"}'
+
+
+def test_a_stored_response_reads_without_this_package():
+    """The store's shards unpickle stored responses: nothing in one may name a class of
+    `app` (importing it imports vLLM: seconds of a shard's time, past callers' deadlines)."""
+    import pickle
+    import pickletools
+
+    from app.auth import Tenant
+    from app.config import TenantPolicy
+    from app.events import MissReason
+    from app.responses import reuse
+    from app.turn_model import TurnResult
+
+    request = responses_api.parse({"input": "hi", "instructions": "Be brief.", "tools": TOOLS})
+    messages = responses_api.chat_messages(request, None)
+    params = responses_api.chat_request(request, messages).to_sampling_params(5, {})
+    result = TurnResult("s-1", "stop", (1, 2), 2, 3, 1, 0, MissReason.PULLED, False, "r1", {"store_s": 0.1})
+    items = responses_api.output_items(request, {"role": "assistant", "content": "yo"})
+    response = responses_api.body(
+        request, params, "m", 1, items, "stop", chat_completion({})["usage"], reuse(result)
+    )
+    turn = responses_api.ResponseTurn(request, Tenant("", None, TenantPolicy()), None, False, messages)
+    stored, _ = turn.stored(response)
+    assert stored.body["kvturn"]["miss_reason"] == "pulled"
+    payload = pickle.dumps(stored, protocol=5)
+    names = {
+        arg
+        for op, arg, _ in pickletools.genops(payload)
+        if isinstance(arg, str) and op.name.endswith("UNICODE")
+    }
+    assert not any(name == "app" or name.startswith("app.") for name in names), names
