@@ -414,14 +414,16 @@ class EventStream:
 async def events(
     stream: EventStream, chunks: AsyncIterator[dict[str, Any]], store: Callable[[dict[str, Any]], Any]
 ) -> AsyncIterator[dict[str, Any]]:
-    """The whole event sequence from our chat chunks (the usage chunk included). `store`
-    is awaited with the final response before `response.completed` is sent, so a client
-    that continues the chain at once finds it."""
+    """The whole event sequence from our chat chunks (the usage chunk included).
+    `response.completed` goes out only once the chunks are exhausted (the turn has
+    stored its KV handle) and `store` has kept the response: a client that continues
+    the chain as soon as it reads `completed` finds both, and one that hangs up then
+    cuts nothing short."""
     from app.errors import error_body
 
     for event in stream.opening():
         yield event
-    finish, kvturn = None, None
+    finish, kvturn, response = None, None, None
     try:
         async for chunk in chunks:
             for choice in chunk.get("choices") or []:
@@ -433,8 +435,10 @@ async def events(
                 closing, response = stream.closing(finish or "stop", chunk["usage"], kvturn)
                 for event in closing:
                     yield event
-                await store(response)
-                yield stream.completed(response)
+        if response is None:
+            raise RuntimeError("the answer ended without its usage")
+        await store(response)
+        yield stream.completed(response)
     except Exception as exc:  # the stream started: the failure is an event
         _, error = error_body(exc)
         yield stream.failed(error["error"])
