@@ -8,6 +8,7 @@ place (`_error_response`); clients never reach the engines' transfer machinery.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import json
@@ -100,6 +101,15 @@ class _Prepared:
     tenant: Tenant
     parser: Any = None
     """vLLM's tool/reasoning parser for this chat request (None: plain content)."""
+
+
+async def _outliving(coro) -> Any:
+    """Run `coro` to its end even if the request awaiting it is cancelled (a client that
+    hangs up): a task in a context of its own, which Ray does not count among the
+    request's children (it cancels those with the request), shielded from the caller's
+    cancellation."""
+    task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+    return await asyncio.shield(task)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -644,7 +654,7 @@ class Ingress:
                 turn.body, session_id, self._chat_events, tenant, stream=stream, request_id=request.request_id
             )
         except BaseException:
-            await self._release(turn)
+            await _outliving(self._release(turn))
             raise
         return turn
 
@@ -690,9 +700,9 @@ class Ingress:
                 chat["usage"],
                 chat["kvturn"],
             )
-            await self._keep_response(turn, response)
+            await _outliving(self._keep_response(turn, response))
         except BaseException:
-            await self._release(turn)
+            await _outliving(self._release(turn))
             raise
         return response
 
@@ -710,14 +720,14 @@ class Ingress:
 
             async def keep(response: dict) -> None:
                 nonlocal kept
-                await self._keep_response(turn, response)
+                await _outliving(self._keep_response(turn, response))
                 kept = True
 
             async for event in responses_api.events(stream, _chain(first, chunks), keep):
                 yield event
         finally:
             if not kept:
-                await asyncio.shield(self._release(turn))
+                await _outliving(self._release(turn))
 
     async def _keep_response(self, turn: responses_api.ResponseTurn, response: dict) -> None:
         """Store a finished response (unless `store: false`) with what it added to its

@@ -27,6 +27,7 @@ missed release only leaves blocks pinned until the engine's own TTL.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -160,7 +161,9 @@ class DecodeMemory:
         if not self.enabled:
             return
         self._start_ticker()
-        task = asyncio.get_running_loop().create_task(self.flush())
+        # Shared work in a context of its own: not a child of the request that started it,
+        # which Ray would cancel with that request (`app.ingress._outliving`).
+        task = asyncio.get_running_loop().create_task(self.flush(), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -204,7 +207,7 @@ class DecodeMemory:
 
     def _start_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), context=contextvars.Context())
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()

@@ -26,6 +26,7 @@ Creating and recording metrics is cheap and never raises when Ray is not initial
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import Counter as _Counts
@@ -168,7 +169,9 @@ class TurnMetrics:
         `store_stats` (an async callable returning the store client's stats), the store's
         state. Called from the ingress's event loop."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._poll(counts, store_stats))
+            self._task = asyncio.get_running_loop().create_task(
+                self._poll(counts, store_stats), context=contextvars.Context()
+            )
 
     async def _poll(self, counts, store_stats) -> None:
         while True:

@@ -28,6 +28,7 @@ and `end_turn` sends only what the turn added to the conversation it claimed
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import pickle
@@ -438,7 +439,10 @@ class _ShardQueue:
         self._pending.append((op, args, future))
         if len(self._senders) < self.MAX_IN_FLIGHT:
             self._free += 1
-            task = loop.create_task(self._send())
+            # A context of its own: a batch carries many requests' operations, so it must
+            # not count as a child of the request whose call started its sender (Ray cancels
+            # a cancelled request's child tasks: a client hanging up would fail the others).
+            task = loop.create_task(self._send(), context=contextvars.Context())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         return future
