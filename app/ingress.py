@@ -50,9 +50,10 @@ def _headers(exc: BaseException) -> dict | None:
     return getattr(exc, "headers", None) if isinstance(exc, (StarletteHTTPException, APIError)) else None
 
 
-def _error_response(exc: BaseException) -> JSONResponse:
-    """Every error as an OpenAI-style `{"error": {...}}` body with its status."""
-    status, body = error_body(exc)
+def _error_response(exc: BaseException, shape=error_body) -> JSONResponse:
+    """Every error as a body with its status: OpenAI's `{"error": {...}}`, or the shape
+    of another API (`messages_api.error_shape`)."""
+    status, body = shape(exc)
     return JSONResponse(body, status_code=status, headers=_headers(exc))
 
 
@@ -226,8 +227,7 @@ class Ingress:
                 return StreamingResponse(_chain(first, events), media_type="text/event-stream")
             return JSONResponse(await self._message(data, session_id, tenant))
         except Exception as exc:
-            status, body = messages_api.error_shape(exc)
-            return JSONResponse(body, status_code=status, headers=_headers(exc))
+            return _error_response(exc, messages_api.error_shape)
 
     @api.post("/v1/messages/count_tokens")
     async def http_count_tokens(self, request: Request):
@@ -236,8 +236,7 @@ class Ingress:
             data = await openai_api.read_body(request, self._cfg.openai.max_request_bytes)
             return await self._count_tokens(data)
         except Exception as exc:
-            status, body = messages_api.error_shape(exc)
-            return JSONResponse(body, status_code=status, headers=_headers(exc))
+            return _error_response(exc, messages_api.error_shape)
 
     @api.post("/v1/responses")
     async def http_responses(self, request: Request):
@@ -743,21 +742,21 @@ class Ingress:
         if result != "stored":
             self._turns.counts[f"responses_not_stored_{result}"] += 1
 
-    async def _stored_response(self, namespace: str, response_id: str) -> StoredResponse:
-        if self._store is None:
-            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
-        found = await self._store.get_response(scoped(namespace, response_id))
+    async def _stored_response(
+        self, namespace: str, response_id: str, *, delete: bool = False
+    ) -> StoredResponse:
+        """The stored response (taken out of the store with `delete`), or a 404."""
+        found = None
+        if self._store is not None:
+            op = self._store.delete_response if delete else self._store.get_response
+            found = await op(scoped(namespace, response_id))
         if found is None:
             raise NotFound(f"No response with id '{response_id}'.", param="response_id")
         return found
 
     async def _delete_response(self, namespace: str, response_id: str) -> dict:
-        if self._store is None:
-            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
-        found = await self._store.delete_response(scoped(namespace, response_id))
-        if found is None:
-            raise NotFound(f"No response with id '{response_id}'.", param="response_id")
-        if found.continued_by is None:
+        found = await self._stored_response(namespace, response_id, delete=True)
+        if found.continued_by is None and self._store is not None:  # found: a store answered
             # The latest of its chain: its conversation's pinned KV goes with it.
             await self._store.end_session(scoped(namespace, found.session_id))
             await self._turns.memory.flush()

@@ -32,9 +32,7 @@ def reuse(result: TurnResult) -> dict:
         "session_id": result.session_id,
         "decode_replica": result.decode_replica,
         "reused_from_decode": result.reused_from_decode,
-        # A plain string: stored responses carry this object to the store's shards, which
-        # must not import this package (and vLLM with it) to read it.
-        "miss_reason": str(result.miss_reason) if result.miss_reason is not None else None,
+        "miss_reason": result.miss_reason,
         "spliced": result.spliced,
         "timings": result.timings,
     }

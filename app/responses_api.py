@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.auth import Tenant, scoped
-from app.errors import APIError, client_error
+from app.errors import APIError, client_error, error_body
 from app.messages_api import refuse_server_fields
 from app.protocol import ChatCompletionRequest
 from connector.response_store import StoredResponse
@@ -244,12 +244,7 @@ def output_items(request, message: dict[str, Any]) -> list[dict[str, Any]]:
 def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat message the output items stand for, as the next turn renders it."""
     message: dict[str, Any] = {"role": "assistant", "content": None}
-    texts = [
-        part.get("text", "")
-        for item in items
-        if item.get("type") == "message"
-        for part in item.get("content") or []
-    ]
+    texts = _texts(items, "message")
     if texts:
         message["content"] = "".join(texts)
     calls = [
@@ -263,15 +258,20 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     if calls:
         message["tool_calls"] = calls
-    reasoning = [
-        part.get("text", "")
-        for item in items
-        if item.get("type") == "reasoning"
-        for part in item.get("content") or []
-    ]
+    reasoning = _texts(items, "reasoning")
     if reasoning:
         message["reasoning"] = "".join(reasoning)
     return message
+
+
+def _texts(items: list[dict[str, Any]], kind: str) -> list[str]:
+    """The text parts of the output items of one type, in order."""
+    return [
+        part.get("text", "")
+        for item in items
+        if item.get("type") == kind
+        for part in item.get("content") or []
+    ]
 
 
 def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
@@ -419,8 +419,6 @@ async def events(
     stored its KV handle) and `store` has kept the response: a client that continues
     the chain as soon as it reads `completed` finds both, and one that hangs up then
     cuts nothing short."""
-    from app.errors import error_body
-
     for event in stream.opening():
         yield event
     finish, kvturn, response = None, None, None

@@ -115,5 +115,12 @@ class TurnResult:
     What `first_token_s` has beyond `session_s` and the two engine spans is transport
     (Serve calls, scheduling, serialization)."""
 
+    def __post_init__(self) -> None:
+        # A plain string, not the app's `MissReason`: results travel (stored responses go
+        # to the store's shards, which must not import this package, and vLLM with it, to
+        # read them).
+        if self.miss_reason is not None:
+            object.__setattr__(self, "miss_reason", str(self.miss_reason))
+
 
 TurnEvent = Delta | TurnResult
