@@ -45,8 +45,11 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
         ray_actor_options=_actor_options(cfg, role),
         # Engine start (weights, compile, warm-up) can take minutes on big models.
         health_check_timeout_s=600,
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=cfg.drain.answer_grace_s,
     )
+    if role is cfg.decode and cfg.reuses_kv and cfg.drain.migrate:
+        # In-flight answers first, then the moves of the pinned conversations (`app.drain`).
+        options["graceful_shutdown_timeout_s"] = cfg.drain.answer_grace_s + cfg.drain.budget_s
     if sticky:
         options["request_router_config"] = RequestRouterConfig(request_router_class=_ROUTER)
     return deployment.options(**options)

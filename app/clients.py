@@ -33,6 +33,9 @@ class ServeEngineClients:
     def decode_alive(self, replica_id: str) -> bool | None:
         return self._decode_live.alive(replica_id)
 
+    async def decode_stopping(self, replica_id: str) -> bool:
+        return await self._decode_live.stopping(replica_id)
+
     def decode_replicas(self) -> frozenset[str] | None:
         return self._decode_live.running()
 

@@ -428,6 +428,39 @@ class ResponsesConfig(_Strict):
     )
 
 
+class DrainConfig(_Strict):
+    """What a stopping decode replica (a downscale, a redeploy, a node drain) does with the
+    conversations it pins, after its in-flight answers finished (Serve's graceful shutdown)."""
+
+    migrate: bool = Field(
+        True,
+        description=(
+            "Move the replica's pinned conversations to the surviving decode replicas over NIXL (most "
+            "recently used first) instead of dropping them: their next turn reuses the history there."
+        ),
+    )
+    budget_s: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "Seconds the moves may take; conversations not moved by then are dropped (counted). Added to "
+            "the decode replicas' graceful shutdown time."
+        ),
+    )
+    parallel: int = Field(4, ge=1, le=64, description="Conversations moved at once.")
+    answer_grace_s: float = Field(
+        30.0, ge=0, description="Seconds a stopping decode replica lets its in-flight answers finish."
+    )
+    wait_s: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "How long a turn whose conversation is being moved waits for the move to end before it "
+            "recomputes the history instead."
+        ),
+    )
+
+
 class AppConfig(_Strict):
     """Everything the app needs, validated before anything starts."""
 
@@ -456,6 +489,7 @@ class AppConfig(_Strict):
     access: AccessConfig = Field(default_factory=AccessConfig)
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
     app_name: str = Field("default", description="Serve application name the graph is deployed under.")
     env: dict[str, str] = Field(
         default_factory=dict,

@@ -28,6 +28,7 @@ class MissReason(enum.StrEnum):
     EXPIRED = "expired"
     EVICTED = "evicted"
     DROPPED = "dropped"
+    MOVING = "moving"
     # Found by the pipeline.
     PIN_DEADLINE = "pin_deadline"  # a pull could not end before decode lets the blocks go
     REPLICA_GONE = "replica_gone"  # the session's decode replica died
@@ -62,6 +63,7 @@ class TurnCount(enum.StrEnum):
     MISS_EXPIRED = "miss_expired"
     MISS_EVICTED = "miss_evicted"
     MISS_DROPPED = "miss_dropped"
+    MISS_MOVING = "miss_moving"
     MISS_PIN_DEADLINE = "miss_pin_deadline"
     MISS_REPLICA_GONE = "miss_replica_gone"
     MISS_PREFIX_MISMATCH = "miss_prefix_mismatch"
@@ -78,6 +80,8 @@ class TurnCount(enum.StrEnum):
     PULL_TIMEOUT = "pull_timeout"
     PULL_DEADLINE = "pull_deadline"
     PULL_SHORT = "pull_short"  # prefill's recompute policy took over: the pull failed
+    PULL_FROM_DRAINING = "pull_from_draining"  # the history's decode replica is stopping, not dead
+    MOVE_WAITED = "move_waited"  # the turn waited for its conversation's move to another replica
     # The decode leg.
     DECODE_RETRIED = "decode_retried"
     DECODE_RESTARTED = "decode_restarted"

@@ -19,6 +19,7 @@ table is the channel; it holds only what Serve last told the routers here.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 
@@ -67,6 +68,24 @@ class LiveReplicas:
 
     def running(self) -> frozenset[str] | None:
         return self.liveness.running(self.app, self.deployment)
+
+    async def stopping(self, replica_id: str) -> bool:
+        """Whether a replica out of the running set still lives: Serve is draining it
+        (graceful shutdown), its engine still up. False once its actor is gone."""
+        return await asyncio.to_thread(replica_actor_exists, self.app, self.deployment, replica_id)
+
+
+def replica_actor_exists(app: str, deployment: str, replica_id: str) -> bool:
+    """Whether Serve's actor of the replica is registered (Serve names each replica's actor
+    by its full id, in its own namespace; the name goes when the actor dies)."""
+    import ray
+
+    full = f"{app}#{deployment}#{replica_id}" if app else f"{deployment}#{replica_id}"
+    try:
+        ray.get_actor(f"SERVE_REPLICA::{full}", namespace="serve")
+    except ValueError:
+        return False
+    return True
 
 
 def _preferred(pending: PendingRequest | None) -> str | None:

@@ -15,6 +15,7 @@ the engine is dead, and Serve replaces the replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -23,12 +24,29 @@ from dataclasses import asdict, replace
 import ray
 from ray import serve
 
+from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig
+from app.drain import Drain
 from app.engine import VLLMEngine
 from app.wire import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery
 from connector import vllm_plugin
+from connector.actor import StoreClient
 
 logger = logging.getLogger("ray.serve")
+
+STORE_DEPLOYMENT = "SessionStore"
+DRAIN_SLACK_S = 5.0
+"""Beyond `drain.budget_s`: the store calls before and after the moves."""
+
+
+def _peers_running(app: str, deployment: str, replica_id: str) -> bool:
+    """Whether the app stays up with another running replica of `deployment` (not when
+    the whole app is being deleted or every replica stops)."""
+    status = serve.status().applications.get(app)
+    if status is None or status.status == "DELETING":
+        return False
+    running = status.deployments[deployment].replica_states.get("RUNNING", 0)
+    return running > 0
 
 
 class EngineServer:
@@ -151,6 +169,38 @@ class DecodeServer(EngineServer):
         if blocks is None:
             return None
         return {"replica_id": self.replica_id, "engine_id": self.info().engine_id, **asdict(blocks)}
+
+    async def __del__(self):  # type: ignore[override]  # Serve awaits an async destructor
+        """Serve's graceful shutdown, once the in-flight answers finished: hand the
+        conversations this engine pins to the surviving decode replicas (`app.drain`),
+        then end the engine."""
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return
+        if self._cfg.reuses_kv and self._cfg.drain.migrate:
+            try:
+                await asyncio.wait_for(self._drain(), self._cfg.drain.budget_s + DRAIN_SLACK_S)
+            except Exception:
+                logger.exception("decode replica %s could not hand its conversations over", self.replica_id)
+        super().__del__()
+
+    async def _drain(self) -> None:
+        context = serve.get_replica_context()
+        if not await asyncio.to_thread(_peers_running, context.app_name, context.deployment, self.replica_id):
+            logger.info("decode replica %s stops with no running peer: nothing to move", self.replica_id)
+            return
+        store = StoreClient.of_deployment(
+            serve.get_deployment_handle(STORE_DEPLOYMENT, context.app_name), store_settings(self._cfg)
+        )
+        peers = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=True)
+
+        async def move(request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
+            last, peer = None, None
+            async for chunk, replica in peers.generate.remote(request):
+                last, peer = chunk, replica
+            return last, peer
+
+        await Drain(self._cfg, self.info().engine_id, self.replica_id, store, move).run()
 
     async def release(self, query: ReplicaQuery, request_ids: list[str]) -> list[str]:
         """Free now the blocks this engine pins for `request_ids`: finished turns whose

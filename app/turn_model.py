@@ -36,6 +36,10 @@ class EngineClients(DecodeMemoryClients, Protocol):
 
     def decode_alive(self, replica_id: str) -> bool | None: ...
 
+    async def decode_stopping(self, replica_id: str) -> bool:
+        """Whether a decode replica that is no longer running still lives (Serve drains it)."""
+        ...
+
 
 class Store(MemoryStore, Protocol):
     """The handle store (`connector.actor.StoreClient` in production), with the

@@ -23,6 +23,7 @@ reached through the seams in `app.turn_model`, so unit tests run this real logic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -207,6 +208,14 @@ class Turns:
         session_id = session_id or turn.namespace + _new_session()
         # Store unavailable: the turn runs without reuse and is not stored.
         claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
+        wait_until = time.monotonic() + self._cfg.drain.wait_s
+        while claim is not None and claim.miss_reason == MissReason.MOVING and time.monotonic() < wait_until:
+            # A stopping decode replica is handing this conversation to a peer (`app.drain`):
+            # wait for the new handle rather than recompute the history.
+            self.counts[TurnCount.MOVE_WAITED] += 1
+            await self._store_call(self._store.end_turn(claim, TurnOutcome.UNUSED, None), None, "end_turn")
+            await asyncio.sleep(MOVE_POLL_S)
+            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
         if claim is not None and claim.retry_after_s is not None:
             seconds = max(1, math.ceil(claim.retry_after_s))
             raise RateLimited(
@@ -284,9 +293,14 @@ class Turns:
         conv = claim.conversation
         assert conv is not None  # a claimed handle comes with its conversation
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
-            assert self._store is not None  # the claim came from it
-            await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
-            return self._miss(MissReason.REPLICA_GONE)
+            if await self._clients.decode_stopping(conv.decode_replica):
+                # Out of the routing set but still up (Serve drains it): its engine still
+                # holds the blocks, so pull them; what no turn claims it moves (`app.drain`).
+                self.counts[TurnCount.PULL_FROM_DRAINING] += 1
+            else:
+                assert self._store is not None  # the claim came from it
+                await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
+                return self._miss(MissReason.REPLICA_GONE)
         handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
         if drift:
             self.counts[TurnCount.DRIFT_CUT] += 1
@@ -332,7 +346,7 @@ class Turns:
         handle = None
         if self._cfg.reuses_kv:
             try:
-                handle = KVHandle.from_wire(final.kv_params)
+                handle = dataclasses.replace(KVHandle.from_wire(final.kv_params), cache_salt=turn.cache_salt)
             except WireError:
                 self.counts[TurnCount.DECODE_NO_HANDLE] += 1
         return Conversation(
@@ -356,6 +370,9 @@ class Turns:
 
 
 logger = logging.getLogger("ray.serve")
+
+MOVE_POLL_S = 0.05
+"""How often a turn waiting for its conversation's move asks the store again."""
 
 
 def _new_session() -> str:

@@ -43,6 +43,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from connector.handle import KVHandle
 from connector.records import DEFAULT_MAX_STORE_BYTES, Claim, Conversation, ConversationTail, TurnOutcome
 from connector.response_store import ResponseStore, StoredResponse, route_of
 from connector.store import HandleStore
@@ -165,6 +166,15 @@ class StoreShard:
 
     def drop_engine(self, engine_id: str) -> int:
         return self._store.drop_engine(engine_id)
+
+    def moving_out(self, engine_id: str) -> list[tuple[float, str]]:
+        return self._store.moving_out(engine_id)
+
+    def begin_move(self, session_id: str, engine_id: str) -> Claim | None:
+        return self._store.begin_move(session_id, engine_id)
+
+    def end_move(self, lease_id: int, handle: KVHandle | None, decode_replica: str | None) -> str:
+        return self._store.end_move(lease_id, handle, decode_replica)
 
     def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
         self._store.set_engine_capacity(engine_id, total_blocks)
@@ -362,6 +372,23 @@ class StoreClient:
     async def drop_engine(self, engine_id: str) -> int:
         actors = await self._shards()
         return sum(await asyncio.gather(*(self._call(a.drop_engine.remote(engine_id)) for a in actors)))
+
+    async def moving_out(self, engine_id: str) -> list[str]:
+        """The sessions whose stored handle pins blocks on `engine_id`, every shard's,
+        most recently stored first (shards on one node share the monotonic clock)."""
+        actors = await self._shards()
+        shards = await asyncio.gather(*(self._call(a.moving_out.remote(engine_id)) for a in actors))
+        return [session for _, session in sorted((e for shard in shards for e in shard), reverse=True)]
+
+    async def begin_move(self, session_id: str, engine_id: str) -> Claim | None:
+        actors = await self._shards()
+        shard = actors[shard_of(session_id, len(actors))]
+        return await self._call(shard.begin_move.remote(session_id, engine_id))
+
+    async def end_move(self, claim: Claim, handle: KVHandle | None, decode_replica: str | None) -> str:
+        actors = await self._shards()
+        shard = actors[shard_of(claim.session_id, len(actors))]
+        return await self._call(shard.end_move.remote(claim.lease_id, handle, decode_replica))
 
     async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None:
         """The engine's blocks are split evenly among the shards: each keeps its own pins

@@ -1,8 +1,9 @@
 """The handle store's vocabularies: every string it emits as a counter key or a reason.
 
 - `Miss`: why `HandleStore.begin_turn` handed out no handle (`Claim.miss_reason`).
-  `no_conversation`, `no_handle`, or the state of the handle the session's record still
-  holds (`claimed`, `pulled`, `unused`, `failed`, `expired`, `evicted`, `dropped`).
+  `no_conversation`, `no_handle`, `moving`, or the state of the handle the session's
+  record still holds (`claimed`, `pulled`, `unused`, `failed`, `expired`, `evicted`,
+  `dropped`).
 - `StoreEvent`: the keys of `HandleStore.counts` (`stats()["counts"]`): handle exits by
   state name, claims and misses (`miss_<Miss>`), evictions, late or mismatched turns,
   releases taken, and the work of sessionless matching.
@@ -34,6 +35,7 @@ class Miss(enum.StrEnum):
     EXPIRED = "expired"  # the store's TTL or the claiming turn's lease ran out
     EVICTED = "evicted"  # evicted for the engine's pinned-block budget
     DROPPED = "dropped"  # its decode replica is gone
+    MOVING = "moving"  # being moved to another decode replica (its replica is draining)
 
     @property
     def event(self) -> StoreEvent:
@@ -65,6 +67,13 @@ class StoreEvent(enum.StrEnum):
     MISS_EXPIRED = "miss_expired"
     MISS_EVICTED = "miss_evicted"
     MISS_DROPPED = "miss_dropped"
+    MISS_MOVING = "miss_moving"
+    # Moves of a draining decode replica's handles to a peer (`begin_move`, `end_move`).
+    MOVES_STARTED = "moves_started"
+    MOVED = "moved"  # the peer read the blocks and pins them under a new handle
+    MOVED_BLOCKS = "moved_blocks"
+    MOVE_FAILED = "move_failed"  # the peer could not take them: dropped with the replica
+    MOVE_SUPERSEDED = "move_superseded"  # a turn stored a newer conversation meanwhile
     # Leases and turns.
     LEASE_EXPIRED = "lease_expired"  # a claim's lease ran out before `end_turn`
     LATE_END_TURN = "late_end_turn"  # `end_turn` of a lease already settled or expired

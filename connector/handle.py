@@ -58,6 +58,9 @@ class KVHandle:
     dcp_size: int = 1
     pp_size: int = 1
     transfer_mode: str | None = None
+    cache_salt: str | None = None
+    """The cache salt the blocks were computed under (set by the ingress, never on the
+    wire): an engine that takes them over (`move_params`) caches them under it too."""
 
     @property
     def num_blocks(self) -> int:
@@ -141,6 +144,16 @@ class KVHandle:
         if self.transfer_mode is not None:
             params["transfer_mode"] = self.transfer_mode
         return params
+
+
+def move_params(handle: KVHandle) -> dict[str, Any]:
+    """Params for a decode engine that takes over a peer decode engine's blocks (the peer
+    is stopping): it reads them as it reads a prefill engine's, then, like every decode
+    request, pins its own copy for the next turn's pull. The peer frees its blocks once
+    read, as after any pull."""
+    if handle.location is not Location.DECODE:
+        raise WireError("only blocks held by a decode engine are moved")
+    return replace(handle, location=Location.PREFILL).to_wire()
 
 
 def first_leg_params() -> dict[str, Any]:

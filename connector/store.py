@@ -40,6 +40,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from connector.events import Miss, StoreEvent, TenantEvent
+from connector.handle import KVHandle
 from connector.leases import Lease, LeaseBook
 from connector.match import MATCH_FANOUT, MatchIndex
 from connector.pins import PinLedger
@@ -138,6 +139,8 @@ class HandleStore:
         self._pins = PinLedger(decoder_ttl_s, max_blocks_per_engine, pinned_fraction)
         self._shares = TenantShares(tenant_weights, tenant_max_sessions)
         """Per tenant (`connector.shares`): shares of each engine's budget, kept sessions."""
+        self._moving: dict[str, int] = {}
+        """Sessions whose handle a move claimed (`begin_move`), to the move's lease."""
 
     # -- turns ---------------------------------------------------------------------
 
@@ -189,6 +192,8 @@ class HandleStore:
                 remaining = record.stored_at + self._decoder_ttl - now
                 self._claimed += 1
                 self.counts[StoreEvent.CLAIMED] += 1
+            elif session_id in self._moving:
+                reason = Miss.MOVING
             else:
                 reason = _MISS[record.state]
         if reason is not None:
@@ -318,6 +323,84 @@ class HandleStore:
             dropped += 1
         self._pins.forget_engine(engine_id)
         return dropped
+
+    # -- moves: a stopping decode replica hands its conversations to a peer ------------
+
+    def moving_out(self, engine_id: str) -> list[tuple[float, str]]:
+        """The sessions whose stored handle pins blocks on `engine_id`, as
+        `(stored_at, session_id)`, most recently stored first: the order a drain moves them."""
+        self._sweep()
+        stored = self._stored_on.get(engine_id, {})
+        return [(self._records[s].stored_at, s) for s in reversed(stored)]
+
+    def begin_move(self, session_id: str, engine_id: str) -> Claim | None:
+        """Claim the session's handle for a move to another decode engine, if it is still
+        stored on `engine_id` (None otherwise: a turn claimed it, or it left). Until
+        `end_move`, a turn of the session finds it `moving` and may wait for the move."""
+        self._sweep()
+        record = self._records.get(session_id)
+        if record is None or record.state is not HandleState.STORED:
+            return None
+        handle = record.handle
+        assert handle is not None  # STORED holds one
+        if handle.engine_id != engine_id:
+            return None
+        now = self._clock()
+        self._transition(record, HandleState.CLAIMED)
+        self._claimed += 1
+        self.counts[StoreEvent.MOVES_STARTED] += 1
+        lease_id = self._leases.open(
+            session_id, handle, record.decode_replica, record.stored_at, now, (record.tokens, record.text)
+        )
+        self._moving[session_id] = lease_id
+        return Claim(
+            lease_id=lease_id,
+            session_id=session_id,
+            conversation=record.conversation(),
+            handle=handle,
+            pin_remaining_s=record.stored_at + self._decoder_ttl - now,
+        )
+
+    def end_move(self, lease_id: int, handle: KVHandle | None, decode_replica: str | None) -> str:
+        """Settle a move: `handle` pins the conversation's blocks on the peer
+        (`decode_replica`) now, or None if the move failed. Returns `moved`, `failed`,
+        `superseded` (a turn stored a newer conversation, or ended the session,
+        meanwhile: the peer's copy is released) or `late` (the lease had expired).
+
+        The swap is atomic: the record goes from the old handle (claimed, so no turn could
+        read it meanwhile) to the new one, kept with its ids, text and retention."""
+        now = self._clock()
+        lease = self._leases.pop(lease_id)
+        if lease is None:
+            self._release_moved(handle, decode_replica, HandleState.EXPIRED, now)
+            return "late"
+        if self._moving.get(lease.session_id) == lease_id:
+            del self._moving[lease.session_id]
+        record = self._records.get(lease.session_id)
+        current = record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED
+        # The old blocks were read by the peer (its engine frees them) or go with the replica.
+        self._settle(lease, HandleState.PULLED if handle is not None else HandleState.FAILED, now)
+        if handle is None:
+            self.counts[StoreEvent.MOVE_FAILED] += 1
+            return "failed"
+        if not current or lease.ended:
+            self.counts[StoreEvent.MOVE_SUPERSEDED] += 1
+            self._release_moved(handle, decode_replica, HandleState.SUPERSEDED, now)
+            return "superseded"
+        assert record is not None  # `current`
+        moved = Conversation(
+            record.session_id, record.tokens, record.prompt_len, record.text, handle, decode_replica
+        )
+        self.counts[StoreEvent.MOVED] += 1
+        self.counts[StoreEvent.MOVED_BLOCKS] += handle.num_blocks
+        self.put(moved, (record.tokens, record.text), record.retained)
+        return "moved"
+
+    def _release_moved(
+        self, handle: KVHandle | None, decode_replica: str | None, reason: HandleState, now: float
+    ) -> None:
+        if handle is not None:
+            self._pins.unread_handle(handle, reason, now, decode_replica, now)
 
     # -- decode memory -----------------------------------------------------------------
 
@@ -480,6 +563,7 @@ class HandleStore:
             self._leave(record, HandleState.EXPIRED)
         for lease in self._leases.expired(now):
             self.counts[StoreEvent.LEASE_EXPIRED] += 1
+            self._moving.pop(lease.session_id, None)
             if lease.handle is not None:
                 self._settle(lease, HandleState.EXPIRED, now)
         self._pins.sweep(now)

@@ -392,6 +392,88 @@ def test_drop_engine(store):
     assert store.drop_engine("d-0") == 0
 
 
+# -- moves: a stopping decode replica hands its conversations to a peer ------------------------
+
+
+def test_moving_out_lists_the_engines_stored_sessions_most_recent_first(store, clock):
+    for session in ("a", "b", "c"):
+        store.put(conv(session, range(10), engine="d-0"))
+        clock.advance(1)
+    store.put(conv("x", range(10), engine="d-1"))
+    store.end_turn(store.begin_turn("b").lease_id, TurnOutcome.PULLED, None)  # claimed and read
+    assert [s for _, s in store.moving_out("d-0")] == ["c", "a"]
+    assert store.moving_out("d-9") == []
+
+
+def test_a_move_swaps_the_handle_and_keeps_the_conversation(store, clock):
+    store.put(conv("a", range(10), (50, 51), engine="d-0", blocks=3), retain=True)
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None and claim.handle is not None and claim.conversation is not None
+    old = claim.handle
+    # A turn arriving meanwhile finds the session moving, never the handle being read.
+    turn = store.begin_turn("a")
+    assert turn.handle is None and turn.miss_reason == Miss.MOVING == "moving"
+    store.end_turn(turn.lease_id, TurnOutcome.UNUSED, None)
+    assert store.pinned_blocks("d-0") == 3
+    new = handle("d-1", blocks=3, num_tokens=old.num_tokens)
+    assert store.end_move(claim.lease_id, new, "decode#1") == "moved"
+    assert store.counts["moved"] == 1 and store.counts["moved_blocks"] == 3
+    assert store.pinned_blocks("d-0") == 0 and store.pinned_blocks("d-1") == 3
+    assert store.take_releases() == []  # the peer read the old blocks: the old engine frees them
+    again = store.begin_turn("a")
+    assert again.handle == new and again.conversation is not None
+    assert again.conversation.decode_replica == "decode#1"
+    assert again.conversation.token_ids == tuple(range(10)) + (50, 51)
+    assert store._records["a"].retained
+    assert store.moving_out("d-0") == []
+
+
+def test_a_failed_move_leaves_the_session_to_go_with_its_engine(store):
+    store.put(conv("a", range(10), engine="d-0"))
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None
+    assert store.end_move(claim.lease_id, None, None) == "failed"
+    assert store.counts["move_failed"] == 1
+    assert store.begin_turn("a").miss_reason == "failed"
+
+
+def test_a_turn_stored_during_a_move_wins_and_the_peers_copy_is_released(store):
+    store.put(conv("a", range(10), engine="d-0"))
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None
+    # The turn waited no longer: it recomputed and stored its own conversation on d-2.
+    turn = store.begin_turn("a")
+    store.end_turn(turn.lease_id, TurnOutcome.UNUSED, conv("a", range(14), engine="d-2"))
+    copy = handle("d-1", blocks=3)
+    assert store.end_move(claim.lease_id, copy, "decode#1") == "superseded"
+    assert store.counts["move_superseded"] == 1
+    releases = store.take_releases()
+    assert [(r.engine_id, r.request_id) for r in releases] == [("d-1", copy.request_id)]
+    assert store.begin_turn("a").handle.engine_id == "d-2"
+
+
+def test_a_move_claims_only_a_handle_stored_on_the_draining_engine(store, clock):
+    store.put(conv("a", range(10), engine="d-1"))
+    assert store.begin_move("a", "d-0") is None
+    assert store.begin_move("nobody", "d-0") is None
+    store.put(conv("b", range(10), engine="d-0"))
+    store.begin_turn("b")
+    assert store.begin_move("b", "d-0") is None  # a turn holds it
+
+
+def test_a_late_move_releases_the_copy(store, clock):
+    store.put(conv("a", range(10), engine="d-0"))
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None
+    clock.advance(51)  # past the lease
+    assert store.begin_turn("a").miss_reason == "expired"
+    copy = handle("d-1")
+    assert store.end_move(claim.lease_id, copy, "decode#1") == "late"
+    # Both copies go: the old one (its lease expired unread) and the peer's.
+    released = {(r.engine_id, r.request_id) for r in store.take_releases()}
+    assert released == {("d-0", claim.handle.request_id), ("d-1", copy.request_id)}
+
+
 # -- sessionless matching --------------------------------------------------------------------
 
 SYSTEM = tuple(range(500, 508))  # two blocks

@@ -15,6 +15,7 @@ an answer's text gives other ids than the engine generated, as BPE tokenizers ca
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import string
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -63,6 +64,8 @@ class FakeEngines:
     ):
         self.decode_replicas = list(decode_replicas)
         self.dead: set[str] = set()
+        self.stopping: set[str] = set()
+        """Replicas out of the running set that still live (Serve drains them)."""
         self.broken: set[str] = set()  # raise before any output
         self.prefill_failures = 0  # the next this many prefill calls raise
         self.prefill_unreachable = False  # prefill calls wait forever (no live replica)
@@ -213,6 +216,9 @@ class FakeEngines:
         if replica_id in self.dead:
             return False
         return True if replica_id in self.decode_replicas else None
+
+    async def decode_stopping(self, replica_id: str) -> bool:
+        return replica_id in self.stopping
 
 
 class LocalStore:
@@ -516,6 +522,51 @@ async def test_dead_decode_replica_drops_its_handles(model_dir):
     assert r3.miss_reason is None
     assert rig.engines.pulls[-1][0] == "d-decode-1"
     assert r3.cached_tokens == len(r2.prompt_token_ids) + MAX_TOKENS - 1
+
+
+async def test_a_draining_decode_replicas_history_is_still_pulled(model_dir):
+    rig = Rig(model_dir)
+    text1, _, r1 = await rig.turn(text=P1)
+    assert r1.decode_replica == "decode-0"
+    # Serve took it out of the routing set but drains it: its engine still holds the KV.
+    rig.engines.dead.add("decode-0")
+    rig.engines.stopping.add("decode-0")
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert r2.miss_reason is None and rig.store.dropped == []
+    assert rig.engines.pulls[-1][0] == "d-decode-0"
+    assert r2.cached_tokens == len(r1.prompt_token_ids) + MAX_TOKENS - 1
+    assert r2.decode_replica == "decode-1"
+    assert rig.turns.counts["pull_from_draining"] == 1
+
+
+async def test_a_turn_waits_for_its_conversations_move_and_reads_the_new_copy(model_dir):
+    rig = Rig(model_dir)
+    text1, ids1, r1 = await rig.turn(text=P1)
+    inner = rig.store.inner
+    claim = inner.begin_move("s1", "d-decode-0")
+    assert claim is not None and claim.handle is not None
+    moved = dataclasses.replace(claim.handle, engine_id="d-decode-1", request_id="moved-1")
+
+    async def finish_move():
+        await asyncio.sleep(0.12)  # a few of the turn's polls
+        assert inner.end_move(claim.lease_id, moved, "decode-1") == "moved"
+
+    mover = asyncio.create_task(finish_move())
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    await mover
+    assert r2.miss_reason is None
+    assert rig.turns.counts["move_waited"] >= 2
+    assert rig.engines.pulls[-1][0] == "d-decode-1"  # the new copy, on the peer
+    assert r2.cached_tokens == len(r1.prompt_token_ids) + MAX_TOKENS - 1
+
+
+async def test_a_turn_waits_for_a_move_no_longer_than_drain_wait_s(model_dir):
+    rig = Rig(model_dir, drain={"wait_s": 0.1})
+    text1, _, _ = await rig.turn(text=P1)
+    assert rig.store.inner.begin_move("s1", "d-decode-0") is not None  # never ends
+    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
+    assert r2.miss_reason == "moving" and r2.cached_tokens == 0
+    assert rig.turns.counts["miss_moving"] == 1
 
 
 async def test_decode_failure_settles_the_claim_as_failed(model_dir):
