@@ -18,6 +18,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from app.autoscaling import serve_autoscaling_config
 from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig, Mode
 from app.ingress import Ingress
@@ -40,7 +41,6 @@ def _actor_options(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, Any]:
 
 def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, sticky: bool):
     options: dict[str, Any] = dict(
-        num_replicas=role.num_replicas,
         max_ongoing_requests=role.max_ongoing_requests,
         ray_actor_options=_actor_options(cfg, role),
         # Engine start (weights, compile, warm-up) can take minutes on big models.
@@ -50,20 +50,26 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
     if role is cfg.decode and cfg.reuses_kv and cfg.drain.migrate:
         # In-flight answers first, then the moves of the pinned conversations (`app.drain`).
         options["graceful_shutdown_timeout_s"] = cfg.drain.answer_grace_s + cfg.drain.budget_s
+    if role.autoscaling is not None:
+        name = "decode" if role is cfg.decode else "prefill"
+        options["autoscaling_config"] = serve_autoscaling_config(name, role.autoscaling, role.num_replicas)
+    else:
+        options["num_replicas"] = role.num_replicas
     if sticky:
         options["request_router_config"] = RequestRouterConfig(request_router_class=_ROUTER)
     return deployment.options(**options)
 
 
 def bound_config(cfg: AppConfig) -> AppConfig:
-    """The config the deployments' constructors get: replica counts left out (set to 1).
+    """The config the deployments' constructors get: replica counts and autoscaling left
+    out (set to 1 and None).
 
     Counts live in each deployment's options, and each deployment's version
     (`versioned`) is a hash of this project's code and its constructor arguments: a
     redeploy that changes only a role's count keeps every version, so Serve adds or
     removes replicas of that role and leaves every other replica, and the KV it holds,
     running. A change of code or of any other setting is a new version (a restart)."""
-    one = {"num_replicas": 1}
+    one = {"num_replicas": 1, "autoscaling": None}
     return cfg.model_copy(
         update={
             "prefill": cfg.prefill.model_copy(update=one),

@@ -33,10 +33,59 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
+class AutoscalingRoleConfig(_Strict):
+    """Serve autoscaling of one role on the app's own signals (`app.autoscaling`): decode on
+    the share of its KV blocks in use (running and pinned), prefill on the new prompt
+    tokens in flight. Serve applies the bounds and delays."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    target_kv_in_use: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description=(
+            "Decode: the pool's share of KV blocks in use (running and pinned) to keep; above it a replica "
+            "is added, and replicas go while the rest would stay under it."
+        ),
+    )
+    target_queued_tokens: int = Field(
+        8192,
+        ge=1,
+        description=(
+            "Prefill: new prompt tokens in flight per replica to keep (about the TTFT target times one "
+            "replica's prefill rate)."
+        ),
+    )
+    upscale_delay_s: float = Field(
+        10.0, ge=0, description="How long a scale-up must be wanted before it happens."
+    )
+    downscale_delay_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a scale-down must be wanted before it happens (then the replica drains).",
+    )
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often replicas report their signal.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the signal is averaged over.")
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> AutoscalingRoleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must not exceed max_replicas")
+        return self
+
+
 class EngineRoleConfig(_Strict):
     """Replicas and resources of one role (prefill or decode)."""
 
-    num_replicas: int = Field(1, ge=1, description="Serve replicas of this role, one vLLM engine each.")
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="Serve replicas of this role, one vLLM engine each (the first count when autoscaled).",
+    )
+    autoscaling: AutoscalingRoleConfig | None = Field(
+        None, description="Scale this role on the app's signals between bounds (None: num_replicas, fixed)."
+    )
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (set to tensor_parallel_size on GPU).")
     resources: dict[str, float] = Field(
@@ -451,6 +500,19 @@ class DrainConfig(_Strict):
     answer_grace_s: float = Field(
         30.0, ge=0, description="Seconds a stopping decode replica lets its in-flight answers finish."
     )
+    rebalance: bool = Field(
+        True,
+        description=(
+            "Move the least recently used conversations of a decode replica whose pinned share is nearly "
+            "full to the peer with the most room, instead of evicting them once it is full."
+        ),
+    )
+    rebalance_above: float = Field(
+        0.9, gt=0, le=1, description="Share of its pinned budget past which a replica rebalances."
+    )
+    rebalance_below: float = Field(
+        0.6, gt=0, le=1, description="Share of its pinned budget under which a peer takes conversations."
+    )
     wait_s: float = Field(
         2.0,
         ge=0,
@@ -459,6 +521,12 @@ class DrainConfig(_Strict):
             "recomputes the history instead."
         ),
     )
+
+    @model_validator(mode="after")
+    def _marks_in_order(self) -> DrainConfig:
+        if self.rebalance_below >= self.rebalance_above:
+            raise ValueError("drain.rebalance_below must be below drain.rebalance_above")
+        return self
 
 
 class AppConfig(_Strict):

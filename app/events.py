@@ -98,6 +98,16 @@ class TurnCount(enum.StrEnum):
     RELEASE_REPLICA_GONE = "release_replica_gone"
     RELEASE_STORE_ERROR = "release_store_error"
     RELEASE_ENGINE_ERROR = "release_engine_error"
+    # Rebalancing (`app.drain.Rebalance`): conversations moved off a nearly full replica.
+    REBALANCE_MOVED = "rebalance_moved"
+    REBALANCE_MOVED_BLOCKS = "rebalance_moved_blocks"
+    REBALANCE_PULLED_TOKENS = "rebalance_pulled_tokens"
+    REBALANCE_RECOMPUTED = "rebalance_recomputed"
+    REBALANCE_SUPERSEDED = "rebalance_superseded"
+    REBALANCE_FAILED = "rebalance_failed"
+    REBALANCE_LATE = "rebalance_late"
+    REBALANCE_STORE_ERROR = "rebalance_store_error"
+    REBALANCE_ERROR = "rebalance_error"  # a round failed as a whole
     # Releases taken from the store, by the reason the handle left it.
     RELEASE_UNUSED = "release_unused"
     RELEASE_FAILED = "release_failed"

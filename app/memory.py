@@ -34,7 +34,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.config import AppConfig
+from app.drain import Rebalance
 from app.events import TurnCount
+from app.wire import EngineChunk, EngineRequest
 from connector.store import Conversation
 
 logger = logging.getLogger("ray.serve")
@@ -156,6 +158,33 @@ class DecodeMemory:
                 self.counts[TurnCount.CAPACITY_SYNC_ERROR] += 1
         return told
 
+    async def rebalance(self) -> int:
+        """One round of `app.drain.Rebalance` over the live decode engines this ingress
+        knows (`drain.rebalance`). Returns the conversations moved; never raises."""
+        d = self._cfg.drain
+        replicas = getattr(self._clients, "decode_replicas", lambda: None)()
+        if not (self.enabled and d.rebalance and replicas and hasattr(self._store, "moving_out")):
+            return 0
+        if set(replicas) - set(self._engine_of):
+            await self.sync_capacities()  # a new replica (scale-up) takes moves at once
+        replica_of = {self._engine_of[r]: r for r in replicas if r in self._engine_of}
+        moved: Counter[str] = Counter()
+        try:
+            return await Rebalance(self._cfg, self._store, self._move).round(replica_of, moved)
+        except Exception:
+            logger.exception("a rebalancing round failed")
+            self.counts[TurnCount.REBALANCE_ERROR] += 1
+            return 0
+        finally:
+            for key, n in moved.items():
+                self.counts[TurnCount(f"rebalance_{key}")] += n
+
+    async def _move(self, request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
+        last, peer = None, None
+        async for chunk, replica in self._clients.decode(request):  # type: ignore[attr-defined]
+            last, peer = chunk, replica
+        return last, peer
+
     def release_soon(self) -> None:
         """Flush the store's releases in the background (after a store update)."""
         if not self.enabled:
@@ -219,6 +248,7 @@ class DecodeMemory:
                 if loop.time() - synced >= CAPACITY_SYNC_S:
                     synced = loop.time()
                     await self.sync_capacities()
+                await self.rebalance()
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():

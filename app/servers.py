@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 
 import ray
 from ray import serve
 
+from app.autoscaling import KV_IN_USE, QUEUED_TOKENS
 from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig
 from app.drain import Drain
@@ -36,6 +38,8 @@ logger = logging.getLogger("ray.serve")
 
 STORE_DEPLOYMENT = "SessionStore"
 DRAIN_SLACK_S = 5.0
+PREFILL_READ_WAIT_S = 10.0
+"""How long a stopping prefill replica waits for decode engines to read its last legs' KV."""
 """Beyond `drain.budget_s`: the store calls before and after the moves."""
 
 
@@ -138,11 +142,44 @@ class EngineServer:
 @serve.deployment(name="PrefillServer")
 class PrefillServer(EngineServer):
     role = "prefill"
+    queued_tokens = 0
+    """New prompt tokens of the legs in flight here (`app.autoscaling`)."""
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk | None, str]:
         """Compute the prompt (pulling what the transfer params allow) and keep its KV
         for a decode engine. Returns the final output (None if the engine gave none) and
         this replica's id."""
+        history = int((request.kv_params or {}).get("remote_num_tokens") or 0)
+        new_tokens = max(1, len(request.prompt_token_ids) - history)
+        self.queued_tokens += new_tokens
+        try:
+            return await self._prefill(request)
+        finally:
+            self.queued_tokens -= new_tokens
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling metrics hook (called only when the role autoscales)."""
+        return {QUEUED_TOKENS: float(self.queued_tokens)}
+
+    async def __del__(self):  # type: ignore[override]  # Serve awaits an async destructor
+        """Serve's graceful shutdown, once the legs in flight finished: the KV of the last
+        legs may not have been read by their decode engines yet, so wait (up to
+        `PREFILL_READ_WAIT_S`) until no block is pinned for a reader, then end the engine."""
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return
+        deadline = time.monotonic() + PREFILL_READ_WAIT_S
+        try:
+            while time.monotonic() < deadline:
+                blocks = await engine.kv_blocks()
+                if blocks is None or not blocks.pinned_requests:
+                    break
+                await asyncio.sleep(0.05)
+        except Exception:
+            logger.exception("prefill replica %s could not read its pinned blocks", self.replica_id)
+        super().__del__()
+
+    async def _prefill(self, request: EngineRequest) -> tuple[EngineChunk | None, str]:
         last, timings = None, None
         async for chunk in self._run(request):
             last, timings = chunk, chunk.engine_timings or timings
@@ -169,6 +206,14 @@ class DecodeServer(EngineServer):
         if blocks is None:
             return None
         return {"replica_id": self.replica_id, "engine_id": self.info().engine_id, **asdict(blocks)}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling metrics hook (called only when the role autoscales): the
+        share of the engine's KV blocks in use, running requests and pinned conversations."""
+        blocks = await self._engine.kv_blocks()
+        if blocks is None or not blocks.total:
+            return {}
+        return {KV_IN_USE: (blocks.total - blocks.free) / blocks.total}
 
     async def __del__(self):  # type: ignore[override]  # Serve awaits an async destructor
         """Serve's graceful shutdown, once the in-flight answers finished: hand the

@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from app.drain import Drain
+from collections import Counter
+
+from app.drain import Drain, Rebalance, rebalance_pairs
 from app.wire import EngineChunk, EngineRequest
 from connector.handle import KVHandle, Location
 from connector.store import Claim, Conversation, HandleStore
@@ -33,6 +35,9 @@ class AsyncStore:
 
     async def drop_engine(self, engine_id: str) -> int:
         return self.inner.drop_engine(engine_id)
+
+    async def stats(self) -> dict:
+        return {"shards": [self.inner.stats()]}
 
 
 class Peer:
@@ -149,6 +154,37 @@ async def test_a_drain_with_nothing_to_move_returns_at_once(model_dir):  # noqa:
     store, peer = store_with(2, engine="d-5"), Peer()
     counts = await drain_of(model_dir, store, peer).run()
     assert counts["sessions"] == 0 and not peer.requests and counts["dropped"] == 0
+
+
+def test_rebalance_pairs_the_fullest_engines_with_the_emptiest_peers():
+    budgets = {"a": 100, "b": 100, "c": 200, "d": 100}
+    pinned = {"a": 95, "b": 10, "c": 190, "d": 50}
+    # c (95%) and a (95%) are full; b (10%) and d (50%) have room under 60%.
+    assert rebalance_pairs(pinned, budgets, ["a", "b", "c", "d"], 0.9, 0.6) == [("a", "b"), ("c", "d")]
+    assert rebalance_pairs(pinned, budgets, ["a", "c"], 0.9, 0.6) == []  # no peer with room
+    assert rebalance_pairs(pinned, budgets, ["a", "b", "x"], 0.9, 0.6) == [("a", "b")]  # x: no budget
+    assert rebalance_pairs({"a": 80, "b": 0}, budgets, ["a", "b"], 0.9, 0.6) == []  # a not full
+
+
+async def test_a_full_engine_moves_its_oldest_conversations_to_the_peer_with_room(model_dir):  # noqa: F811
+    store = store_with(8)  # 8 conversations of 4 blocks on d-0, s0 the oldest
+    store.set_engine_capacity("d-0", 70)  # budget 35 blocks (pinned_fraction 0.5): 32 is 91%
+    store.set_engine_capacity("d-1", 70)
+    assert store.pinned_blocks("d-0") == 32
+    peer = Peer()
+    cfg = make_cfg(model_dir, block_size=BLOCK)
+    counts: Counter[str] = Counter()
+    replica_of = {"d-0": "decode#0", "d-1": "decode#1"}
+    moved = await Rebalance(cfg, AsyncStore(store), peer).round(replica_of, counts)
+    # Down to the middle of the marks (75% of 35 blocks: 5.75 to move), oldest first; the
+    # peer's copies hold 3 blocks each (12 tokens), so two moves.
+    assert moved == counts["moved"] == 2 and counts["moved_blocks"] == 6
+    assert [r.kv_params["remote_request_id"] for r in peer.requests] == ["req-0", "req-1"]
+    assert all(r.preferred_replica == "decode#1" for r in peer.requests)
+    assert store.pinned_blocks("d-0") == 24 and store.pinned_blocks("d-1") == 6
+    assert store.begin_turn("s0").handle.engine_id == "d-1"
+    # Under the mark now: the next round moves nothing.
+    assert await Rebalance(cfg, AsyncStore(store), peer).round(replica_of, counts) == 0
 
 
 @pytest.fixture(autouse=True)

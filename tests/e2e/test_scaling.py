@@ -9,11 +9,12 @@ its next turn, with the tokens a plain engine computes."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from tests.conftest import pd_config
-from tests.e2e.helpers import SYSTEM, Reply, chat, delta, engine_stats, kv_stats, reference_tokens
+from tests.e2e.helpers import SYSTEM, Reply, chat, complete, delta, engine_stats, kv_stats, reference_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -22,21 +23,19 @@ LONG = 256
 """Tokens of the answers that stream through the redeploy."""
 
 
-def _replicas(deployment: str, count: int, within_s: float = 180.0) -> set[str]:
+def _replicas(deployment: str, count: int, within_s: float = 180.0, app: str = APP) -> set[str]:
     """The ids of the deployment's replicas once exactly `count` run and none is starting
     or stopping."""
-    import time
-
     import ray
     from ray import serve
 
     deadline = time.monotonic() + within_s
     while True:
-        states = serve.status().applications[APP].deployments[deployment].replica_states
+        states = serve.status().applications[app].deployments[deployment].replica_states
         names = {
             a["name"].rsplit("#", 1)[1]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"SERVE_REPLICA::{APP}#{deployment}#")
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")
         }
         if states == {"RUNNING": count} and len(names) == count:
             return names
@@ -127,3 +126,63 @@ def test_fewer_decode_replicas_keep_every_replica_running_and_move_the_removed_o
             assert nxt.token_ids == reference_tokens(apps["url"], nxt.prompt_token_ids, len(nxt.token_ids))
     finally:
         serve.delete(APP)
+
+
+def test_a_new_replica_takes_the_oldest_conversations_of_a_nearly_full_one(apps):
+    """Scale-up with rebalancing: one decode replica holds 6 conversations of 10 blocks,
+    61% of its pinned budget (98 blocks) and past `drain.rebalance_above` (50%); a second
+    replica is added and the ingress moves the oldest conversations to it over NIXL, down to
+    the middle of the marks (40%), before any is evicted. Their next turns read the history
+    from the new replica, with the tokens a plain engine computes."""
+    from ray import serve
+
+    from app.builder import build
+
+    app = "rebalance"
+    overrides = {
+        "sessions.pinned_fraction": 0.012,  # floor(0.012 * 8191 blocks) = 98 blocks
+        "sessions.handle_ttl_s": 200,
+        "transfer.decoder_kv_blocks_ttl_s": 300,
+        "drain.rebalance_above": 0.5,
+        "drain.rebalance_below": 0.3,
+    }
+    cfg = pd_config(app_name=app, **{"decode.num_replicas": 1}, **overrides)
+    serve.run(build(cfg), name=app, route_prefix="/" + app)
+    try:
+        url = apps["url"] + "/" + app
+        sessions = {}
+        for i in range(6):  # 300 prompt ids + 12 answered: 311 positions, 10 blocks each
+            prompt = [1000 + 37 * i + j for j in range(300)]
+            sessions[f"rb-{i}"] = (prompt, complete(url, prompt, session=f"rb-{i}", max_tokens=12))
+        first = {r.kvturn["decode_replica"] for _, r in sessions.values()}
+        stats = kv_stats(url)["store"]["shards"]
+        assert sum(sum(s["pinned_blocks"].values()) for s in stats) == 60, stats
+        assert sum(s["counts"].get("evicted_for_blocks", 0) for s in stats) == 0
+
+        serve.run(
+            build(pd_config(app_name=app, **{"decode.num_replicas": 2}, **overrides)),
+            name=app,
+            route_prefix="/" + app,
+        )
+        old = next(iter(first))
+        new = next(iter(_replicas("DecodeServer", 2, app=app) - first))
+        deadline = time.monotonic() + 60
+        while kv_stats(url)["turns"].get("rebalance_moved", 0) < 3:
+            assert time.monotonic() < deadline, kv_stats(url)["turns"]
+            time.sleep(1)
+        turns = kv_stats(url)["turns"]
+        stats = kv_stats(url)["store"]["shards"]
+        # 60 - 0.4 * 98 = 20.8 blocks to move: three conversations, the oldest ones.
+        assert turns["rebalance_moved"] == 3 and turns["rebalance_moved_blocks"] == 30, turns
+        assert sum(s["counts"].get("evicted_for_blocks", 0) for s in stats) == 0
+        assert sum(s["counts"].get("moved", 0) for s in stats) == 3
+        for i, (session, (prompt, reply)) in enumerate(sessions.items()):
+            follow = prompt + reply.token_ids + [4242 + j for j in range(40)]
+            nxt = complete(url, follow, session=session, max_tokens=12)
+            history = len(prompt) + len(reply.token_ids) - 1
+            assert nxt.kvturn["miss_reason"] is None, nxt.kvturn
+            assert nxt.kvturn["decode_replica"] == (new if i < 3 else old), (session, nxt.kvturn)
+            assert nxt.kvturn["reused_from_decode"] >= history - cfg.block_size, (session, nxt.kvturn)
+            assert nxt.token_ids == reference_tokens(apps["url"], nxt.prompt_token_ids, len(nxt.token_ids))
+    finally:
+        serve.delete(app)
