@@ -224,6 +224,7 @@ class DecodeServer(EngineServer):
             return
         if self._cfg.reuses_kv and self._cfg.drain.migrate:
             try:
+                await engine.check_health()  # a dead engine has nothing left to read
                 await asyncio.wait_for(self._drain(), self._cfg.drain.budget_s + DRAIN_SLACK_S)
             except Exception:
                 logger.exception("decode replica %s could not hand its conversations over", self.replica_id)

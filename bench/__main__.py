@@ -53,6 +53,13 @@ profiles:
   chat   The embedded model with the app's defaults (compiled, 1 GiB KV), 1 session x 6
          turns of ~300 new tokens, 16-token answers: the fixed per-turn cost of P/D.
   smoke  The embedded tiny model, 2 sessions x 2 turns of short texts.
+  elastic  The agentic workload, 6 sessions x 8 turns (~4k-token histories), on 1 prefill +
+         2 decode replicas; one decode replica is removed after turn 4, once with the
+         drain's moves on and once off (drain.migrate): the affected sessions' next-turn
+         TTFT against their steady state. About 6 minutes on 2 cores.
+  autoscale  The elastic workload on a decode pool autoscaling 1-2 on KV in use (target
+         0.25, 192 MiB decode engines): up under load, down once all but two sessions
+         ended; the two kept sessions' next turn shows their KV survived.
 
 Prefill prefix caching is off in every profile (--prefill-prefix-caching turns it on):
 the benchmark has one prefill engine, whose own cache would keep every session's last
@@ -303,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         warmup = generate(warm_spec, counter, tag="warmup")
 
+    if prof.name in ("elastic", "autoscale"):
+        from bench import elastic
+
+        run = elastic.main if prof.name == "elastic" else elastic.autoscale_main
+        return run(args, prof, model_path, workload, warmup, lambda msg: print(msg, file=sys.stderr))
     modes = [args.label or "url"] if args.url else _modes(args.modes, args.api)
 
     total = len(modes) * spec.sessions * spec.turns

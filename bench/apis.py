@@ -58,6 +58,7 @@ class Reader:
     def _kvturn(self, kv: dict[str, Any]) -> None:
         self.record.reused_from_decode = kv.get("reused_from_decode")
         self.record.miss_reason = kv.get("miss_reason")
+        self.record.decode_replica = kv.get("decode_replica")
         self.record.spliced = kv.get("spliced")
         self.record.timings = kv.get("timings")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -42,6 +42,7 @@ class TurnRecord:
     cached_tokens: int | None = None
     reused_from_decode: int | None = None
     miss_reason: str | None = None
+    decode_replica: str | None = None
     spliced: bool | None = None
     timings: dict | None = None
     """The app's breakdown of the turn (kvturn.timings): session_s, prefill_s, first_token_s."""
@@ -108,9 +109,11 @@ async def run_session(
     on_turn: Callable[[TurnRecord], None],
     session_header: str,
     api: Api = Api.CHAT,
+    gate: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[TurnRecord]:
     """The session's turns one after another, in `api`; the conversation is kept as chat
-    messages (`bench.apis` converts it)."""
+    messages (`bench.apis` converts it). `gate(turn)`, if given, is awaited before each
+    turn (1-based): a benchmark holds every session at a turn while it changes the app."""
     session = dialog(
         api, model, workload.spec.answer_tokens, session_id=session_id, session_header=session_header
     )
@@ -119,6 +122,8 @@ async def run_session(
     for i, turn in enumerate(plan.turns):
         if turn.pause_s:
             await asyncio.sleep(turn.pause_s)
+        if gate is not None:
+            await gate(i + 1)
         messages.extend(turn.messages)
         record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
         try:
@@ -178,6 +183,7 @@ async def run_workload(
     session_header: str = "x-session-id",
     timeout_s: float = 1800.0,
     api: Api = Api.CHAT,
+    gate: Callable[[int], Awaitable[None]] | None = None,
 ) -> tuple[list[TurnRecord], float]:
     """Run all sessions, each speaking `api`; return their records (session, turn order)
     and the wall time."""
@@ -199,6 +205,7 @@ async def run_workload(
                     on_turn=on_turn,
                     session_header=session_header,
                     api=api,
+                    gate=gate,
                 )
 
         results = await asyncio.gather(*(one(p) for p in workload.sessions))

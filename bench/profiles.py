@@ -11,6 +11,12 @@
 * `chat`: the embedded model with the app's defaults, 1 session x 6 turns of ~300 new
   tokens, 16-token answers: the fixed cost of P/D per turn, as `make run` users see it.
 * `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
+* `elastic`: the agentic workload (6 sessions x 8 turns, ~4k-token histories) on 1 prefill
+  + 2 decode replicas; one decode replica is removed after turn 4, with the drain's moves
+  on and then off (`bench.elastic`).
+* `autoscale`: the elastic workload on a decode pool that autoscales 1-2 on KV in use: it
+  scales up under load, two more turns run, all but two sessions end, it scales down
+  (the removed replica's conversations move), the two kept sessions go on.
 * `pressure`: the embedded model, 12 agents of up to 6 turns that pause 0-4 s before each
   turn and vanish at random (15% after each turn), on a decode engine of 384 blocks that
   holds about a third of what they would pin: reuse under memory pressure, evictions and
@@ -321,8 +327,33 @@ def profile(name: str) -> Profile:
             decode_local_busy_tokens=0,
             env=cpu_env(),
         )
+    if name == "elastic":
+        agentic = profile("agentic")
+        # The agentic workload with longer histories (~4k tokens by the downscale), every
+        # session in flight (the run holds them all at one turn); 1 prefill + 2 decode
+        # replicas, half a CPU each (`bench.elastic`).
+        return replace(
+            agentic,
+            name="elastic",
+            workload=replace(
+                agentic.workload,
+                sessions=6,
+                turns=8,
+                concurrency=6,
+                system_tokens=1000,
+                tool_tokens=600,
+                tool_tokens_min=200,
+                seed=5,
+            ),
+            num_cpus=0.5,
+        )
+    if name == "autoscale":
+        # The elastic workload on a decode pool that autoscales 1-2 on KV in use; decode
+        # engines of 192 MiB (1,536 blocks of the embedded model), so that the six
+        # conversations pass the target after four turns (`bench.elastic.autoscale_main`).
+        return replace(profile("elastic"), name="autoscale", decode_kv_cache_bytes=192 * MiB)
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure")
+PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure", "elastic", "autoscale")
 MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))

@@ -4,10 +4,9 @@ fake peer (the NIXL read itself is proven end to end in tests/e2e/test_scaling.p
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
-
-from collections import Counter
 
 from app.drain import Drain, Rebalance, rebalance_pairs
 from app.wire import EngineChunk, EngineRequest

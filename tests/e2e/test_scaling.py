@@ -152,7 +152,7 @@ def test_a_new_replica_takes_the_oldest_conversations_of_a_nearly_full_one(apps)
         url = apps["url"] + "/" + app
         sessions = {}
         for i in range(6):  # 300 prompt ids + 12 answered: 311 positions, 10 blocks each
-            prompt = [1000 + 37 * i + j for j in range(300)]
+            prompt = [(7 + 37 * i + 13 * j) % 500 + 10 for j in range(300)]  # the vocabulary has 581
             sessions[f"rb-{i}"] = (prompt, complete(url, prompt, session=f"rb-{i}", max_tokens=12))
         first = {r.kvturn["decode_replica"] for _, r in sessions.values()}
         stats = kv_stats(url)["store"]["shards"]
@@ -177,7 +177,7 @@ def test_a_new_replica_takes_the_oldest_conversations_of_a_nearly_full_one(apps)
         assert sum(s["counts"].get("evicted_for_blocks", 0) for s in stats) == 0
         assert sum(s["counts"].get("moved", 0) for s in stats) == 3
         for i, (session, (prompt, reply)) in enumerate(sessions.items()):
-            follow = prompt + reply.token_ids + [4242 + j for j in range(40)]
+            follow = prompt + reply.token_ids + [(42 + 11 * j) % 500 + 10 for j in range(40)]
             nxt = complete(url, follow, session=session, max_tokens=12)
             history = len(prompt) + len(reply.token_ids) - 1
             assert nxt.kvturn["miss_reason"] is None, nxt.kvturn
