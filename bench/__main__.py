@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.apis import Api
-from bench.profiles import MODES, PROFILES, cluster_cpus
+from bench.profiles import DEFAULT_MODES, MODES, PROFILES, cluster_cpus
 from bench.profiles import profile as get_profile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -53,13 +53,13 @@ profiles:
   chat   The embedded model with the app's defaults (compiled, 1 GiB KV), 1 session x 6
          turns of ~300 new tokens, 16-token answers: the fixed per-turn cost of P/D.
   smoke  The embedded tiny model, 2 sessions x 2 turns of short texts.
-  elastic  The agentic workload, 6 sessions x 8 turns (~4k-token histories), on 1 prefill +
+  elastic  The agentic workload, 6 sessions x 8 turns (~3k-token histories), on 1 prefill +
          2 decode replicas; one decode replica is removed after turn 4, once with the
          drain's moves on and once off (drain.migrate): the affected sessions' next-turn
-         TTFT against their steady state. About 6 minutes on 2 cores.
+         TTFT against their steady state. About 3 minutes on 2 cores.
   autoscale  The elastic workload on a decode pool autoscaling 1-2 on KV in use (target
-         0.25, 192 MiB decode engines): up under load, down once all but two sessions
-         ended; the two kept sessions' next turn shows their KV survived.
+         0.15, 128 MiB decode engines): up under load, down once all but one session
+         ended; the kept session's next turn shows its KV survived.
 
 Prefill prefix caching is off in every profile (--prefill-prefix-caching turns it on):
 the benchmark has one prefill engine, whose own cache would keep every session's last
@@ -102,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        help=f"comma-separated modes to deploy, in order (default: {','.join(MODES)}; "
-        "without oneway for --api responses)",
+        help=f"comma-separated modes to deploy, in order, of {','.join(MODES)} (default: "
+        f"{','.join(DEFAULT_MODES)}; without oneway for --api responses). dp: two single engines with "
+        "session affinity, the same engine count as P/D",
     )
     p.add_argument(
         "--api",
@@ -112,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Api.CHAT,
         metavar="{" + ",".join(a.value for a in Api) + "}",
         help="the API every session speaks (default: chat; see APIs below)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="replay a JSONL conversation trace (session_id, timestamp, input_tokens, output_tokens; "
+        "see bench/traces.py) instead of the profile's workload",
     )
     p.add_argument("--url", help="benchmark a deployment already serving at URL (one mode; no deploy)")
     p.add_argument("--label", help="name of the --url deployment in the results (default: 'url')")
@@ -267,7 +274,7 @@ NO_RESPONSE_STORE = ("oneway",)
 def _modes(requested: str | None, api: Api) -> list[str]:
     """The modes to deploy, in order: `--modes`, or all that can serve `api`."""
     if requested is None:
-        return [m for m in MODES if not (api is Api.RESPONSES and m in NO_RESPONSE_STORE)]
+        return [m for m in DEFAULT_MODES if not (api is Api.RESPONSES and m in NO_RESPONSE_STORE)]
     modes = [m.strip() for m in requested.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -295,7 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     spec: WorkloadSpec = prof.workload
     model_path = runner.resolve_model(prof) if not args.url else (args.model or runner.resolve_model(prof))
     counter = TokenCounter(model_path)
-    workload = generate(spec, counter)
+    if args.trace is not None:
+        from bench.traces import read_trace, to_workload
+
+        workload = to_workload(read_trace(args.trace, system_tokens=spec.system_tokens), counter)
+    elif prof.trace is not None:
+        from bench.traces import to_workload
+
+        workload = to_workload(prof.trace.generate(), counter, seed=prof.trace.seed)
+    else:
+        workload = generate(spec, counter)
+    spec = workload.spec
     warmup = None
     if args.warmup_turns > 0:
         from dataclasses import replace

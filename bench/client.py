@@ -97,6 +97,10 @@ async def send_turn(
     return text
 
 
+Gate = Callable[[int, int], Awaitable[bool]]
+"""`gate(session index, turn)`: awaited before each turn; False ends the session."""
+
+
 async def run_session(
     client: httpx.AsyncClient,
     url: str,
@@ -109,21 +113,23 @@ async def run_session(
     on_turn: Callable[[TurnRecord], None],
     session_header: str,
     api: Api = Api.CHAT,
-    gate: Callable[[int], Awaitable[None]] | None = None,
+    gate: Gate | None = None,
 ) -> list[TurnRecord]:
     """The session's turns one after another, in `api`; the conversation is kept as chat
-    messages (`bench.apis` converts it). `gate(turn)`, if given, is awaited before each
-    turn (1-based): a benchmark holds every session at a turn while it changes the app."""
+    messages (`bench.apis` converts it). `gate(session, turn)`, if given, is awaited
+    before each turn (1-based): a benchmark holds sessions at a turn while it changes the
+    app; False ends the session there (its client went away)."""
     session = dialog(
         api, model, workload.spec.answer_tokens, session_id=session_id, session_header=session_header
     )
-    messages: list[dict] = [{"role": "system", "content": workload.system}]
+    messages: list[dict] = [{"role": "system", "content": plan.system or workload.system}]
     records: list[TurnRecord] = []
     for i, turn in enumerate(plan.turns):
         if turn.pause_s:
             await asyncio.sleep(turn.pause_s)
-        if gate is not None:
-            await gate(i + 1)
+        if gate is not None and not await gate(plan.index, i + 1):
+            return records
+        session.max_tokens = turn.answer_tokens or workload.spec.answer_tokens
         messages.extend(turn.messages)
         record = TurnRecord(session=plan.index, turn=i + 1, kind=turn.kind)
         try:
@@ -183,7 +189,7 @@ async def run_workload(
     session_header: str = "x-session-id",
     timeout_s: float = 1800.0,
     api: Api = Api.CHAT,
-    gate: Callable[[int], Awaitable[None]] | None = None,
+    gate: Gate | None = None,
 ) -> tuple[list[TurnRecord], float]:
     """Run all sessions, each speaking `api`; return their records (session, turn order)
     and the wall time."""
@@ -193,6 +199,8 @@ async def run_workload(
         t0 = time.perf_counter()
 
         async def one(plan: SessionPlan) -> list[TurnRecord]:
+            if plan.start_s:  # a trace's arrival time
+                await asyncio.sleep(max(0.0, t0 + plan.start_s - time.perf_counter()))
             async with sem:
                 return await run_session(
                     client,

@@ -19,7 +19,6 @@ import json
 import statistics
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,16 +107,17 @@ def run_one(
             _wait_decode_replicas(app, 1)
             downscale["seconds"] = time.perf_counter() - t
 
-        async def gate(turn: int) -> None:
+        async def gate(session: int, turn: int) -> bool:
             nonlocal arrived
             if turn != DOWN_AT + 1:
-                return
+                return True
             arrived += 1
             if arrived == len(workload.sessions):
                 log(f"[{label}] every session paused after turn {DOWN_AT}: removing a decode replica")
                 await asyncio.to_thread(scale_down)
                 released.set()
             await released.wait()
+            return True
 
         records, wall = asyncio.run(
             run_workload(url, model, workload, session_prefix=f"el-{uuid.uuid4().hex[:6]}", gate=gate)
@@ -236,8 +236,7 @@ def main(args, prof: Profile, model_path: str, workload: Workload, warmup: Workl
 SCALED_AT = 5
 """Sessions wait before this turn until the decode pool has scaled up."""
 IDLE_AT = 7
-"""Before this turn all but `KEPT` sessions end (DELETE); the pool then scales down."""
-KEPT = 2
+"""Before this turn all sessions but one end (DELETE); the pool then scales down."""
 
 
 def autoscale_config(profile: Profile, model_path: str, app: str):
@@ -245,14 +244,14 @@ def autoscale_config(profile: Profile, model_path: str, app: str):
     scaling = {
         "min_replicas": 1,
         "max_replicas": 2,
-        "target_kv_in_use": 0.25,
+        "target_kv_in_use": 0.15,
         "upscale_delay_s": 3.0,
         "downscale_delay_s": 15.0,
         "metrics_interval_s": 1.0,
         "look_back_period_s": 4.0,
     }
     decode = cfg.decode.model_dump() | {"num_replicas": 1, "autoscaling": scaling}
-    drain = cfg.drain.model_dump() | {"rebalance_above": 0.5, "rebalance_below": 0.3}
+    drain = cfg.drain.model_dump() | {"rebalance_above": 0.4, "rebalance_below": 0.2}
     return type(cfg).model_validate(cfg.model_dump() | {"decode": decode, "drain": drain})
 
 
@@ -260,9 +259,11 @@ def autoscale_main(
     args, prof: Profile, model_path: str, workload: Workload, warmup: Workload | None, log
 ) -> int:
     """Run the sessions to turn `SCALED_AT - 1` (the pool's KV in use passes the target),
-    hold them until Serve has added a decode replica, run two more turns, end all but
-    `KEPT` sessions, hold those until Serve has removed a replica (its conversations move
-    to the survivor), then run their last turns."""
+    hold them until Serve has added a decode replica and the ingress has rebalanced onto
+    it, run up to turn `IDLE_AT - 1`, then end all sessions but one (one the new replica
+    holds, when there is one: Serve removes the newest replica first) and hold that one
+    until Serve has removed a replica (its conversations move to the survivor); then it
+    runs its last turns."""
     import httpx
     from ray import serve
 
@@ -272,16 +273,10 @@ def autoscale_main(
     from bench.profiles import cluster_cpus
 
     spec = workload.spec
-    if spec.turns < IDLE_AT + 1 or spec.concurrency < spec.sessions or spec.sessions <= KEPT:
+    if spec.turns < IDLE_AT + 1 or spec.concurrency < spec.sessions or spec.sessions < 2:
         raise SystemExit(
-            f"--profile autoscale needs {IDLE_AT + 1} turns, more than {KEPT} sessions, all in flight"
+            f"--profile autoscale needs {IDLE_AT + 1} turns and 2 sessions or more, all in flight"
         )
-    # The sessions that end stop after turn IDLE_AT - 1.
-    plans = tuple(
-        p if p.index >= spec.sessions - KEPT else replace(p, turns=p.turns[: IDLE_AT - 1])
-        for p in workload.sessions
-    )
-    workload = replace(workload, sessions=plans)
     app = "autoscale"
     prefix = f"as-{uuid.uuid4().hex[:6]}"
     timeline: list[tuple[float, str]] = []
@@ -291,53 +286,74 @@ def autoscale_main(
         timeline.append((round(time.perf_counter() - started, 1), event))
         log(f"[autoscale] {timeline[-1][0]:7.1f} s  {event}")
 
+    replica_of: dict[int, str | None] = {}  # session -> the decode replica of its last turn
+    kept: set[int] = set()
+    first: set[str] = set()
     with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         url = cluster.url
         serve.run(build(autoscale_config(prof, model_path, app)), name=app, route_prefix="/")
         try:
             asyncio.run(wait_healthy(url, 300))
             _wait_decode_replicas(app, 1)
+            first = _decode_replicas(app)
             model = asyncio.run(served_model(url))
             if warmup is not None:
                 asyncio.run(run_workload(url, model, warmup, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
-            mark("deployed: 1 decode replica (autoscaling 1-2 on KV in use, target 0.25)")
-            arrived: dict[int, int] = {SCALED_AT: 0, IDLE_AT: 0}
+            mark("deployed: 1 decode replica (autoscaling 1-2 on KV in use, target 0.15)")
+            arrived = {SCALED_AT: 0, IDLE_AT: 0}
             released = {SCALED_AT: asyncio.Event(), IDLE_AT: asyncio.Event()}
-            expected = {SCALED_AT: spec.sessions, IDLE_AT: KEPT}
 
-            def wait_scaled_up() -> None:
+            def scale_up_and_rebalance() -> None:
                 _wait_decode_replicas(app, 2, within_s=600)
+                mark("2 decode replicas running")
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if ((asyncio.run(kv_stats(url)) or {}).get("turns") or {}).get("rebalance_moved"):
+                        mark("the ingress rebalanced conversations onto the new replica")
+                        return
+                    time.sleep(0.5)
 
-            def end_and_wait_scaled_down() -> None:
+            def end_others_and_scale_down() -> None:
+                on_new = [s for s, r in replica_of.items() if r is not None and r not in first]
+                kept.add(on_new[0] if on_new else min(replica_of))
                 with httpx.Client(timeout=30) as client:
-                    for p in plans[: spec.sessions - KEPT]:
-                        client.delete(f"{url}/v1/sessions/{prefix}-s{p.index}").raise_for_status()
-                mark(f"ended {spec.sessions - KEPT} sessions")
+                    for s in replica_of:
+                        if s not in kept:
+                            client.delete(f"{url}/v1/sessions/{prefix}-s{s}").raise_for_status()
+                where = "the new replica" if on_new else "the first replica"
+                mark(f"ended every session but {sorted(kept)} (on {where})")
                 _wait_decode_replicas(app, 1, within_s=600)
 
-            async def gate(turn: int) -> None:
+            async def gate(session: int, turn: int) -> bool:
                 if turn not in arrived:
-                    return
+                    return True
                 arrived[turn] += 1
-                if arrived[turn] == expected[turn]:
+                if arrived[turn] == len(workload.sessions):
                     if turn == SCALED_AT:
                         mark(f"every session paused after turn {SCALED_AT - 1}: waiting for a second replica")
-                        await asyncio.to_thread(wait_scaled_up)
-                        mark("2 decode replicas running")
+                        await asyncio.to_thread(scale_up_and_rebalance)
                     else:
-                        await asyncio.to_thread(end_and_wait_scaled_down)
+                        await asyncio.to_thread(end_others_and_scale_down)
                         mark("1 decode replica running")
                     released[turn].set()
                 await released[turn].wait()
+                return turn != IDLE_AT or session in kept
+
+            def on_turn(record: TurnRecord) -> None:
+                if record.ok:
+                    replica_of[record.session] = record.decode_replica
 
             before = asyncio.run(kv_stats(url))
-            records, wall = asyncio.run(run_workload(url, model, workload, session_prefix=prefix, gate=gate))
+            records, wall = asyncio.run(
+                run_workload(url, model, workload, session_prefix=prefix, gate=gate, on_turn=on_turn)
+            )
             after = asyncio.run(kv_stats(url))
+            last = _decode_replicas(app)
         finally:
             serve.delete(app)
     store = [s.get("counts", {}) for s in ((after or {}).get("store") or {}).get("shards", [])]
     turns = ((after or {}).get("turns") or {}) if after else {}
-    kept = [r for r in records if r.session >= spec.sessions - KEPT and r.turn == IDLE_AT]
+    kept_turns = [r for r in records if r.session in kept and r.turn >= IDLE_AT - 1]
     result = {
         "profile": prof.name,
         "timeline": timeline,
@@ -345,15 +361,19 @@ def autoscale_main(
         "rebalance_moved": turns.get("rebalance_moved", 0)
         - ((before or {}).get("turns") or {}).get("rebalance_moved", 0),
         "store_moved": sum(c.get("moved", 0) for c in store),
-        "kept_next_turn": [
+        "first_replicas": sorted(first),
+        "last_replicas": sorted(last),
+        "kept_turns": [
             {
                 "session": r.session,
+                "turn": r.turn,
+                "decode_replica": r.decode_replica,
                 "cached_tokens": r.cached_tokens,
                 "prompt_tokens": r.prompt_tokens,
                 "miss_reason": r.miss_reason,
                 "ttft_s": r.ttft_s,
             }
-            for r in kept
+            for r in kept_turns
         ],
         "wall_s": wall,
         "records": [r.as_dict() for r in records],
@@ -364,8 +384,17 @@ def autoscale_main(
     for t, event in timeline:
         print(f"{t:7.1f} s  {event}")
     print(f"conversations moved: {result['store_moved']} (rebalancing: {result['rebalance_moved']})")
-    for k in result["kept_next_turn"]:
-        cached, prompt, miss = k["cached_tokens"], k["prompt_tokens"], k["miss_reason"]
-        print(f"kept session {k['session']}, turn {IDLE_AT}: cached {cached} of {prompt}, miss {miss}")
+    for k in result["kept_turns"]:
+        cached, prompt, miss, replica = (
+            k["cached_tokens"],
+            k["prompt_tokens"],
+            k["miss_reason"],
+            k["decode_replica"],
+        )
+        print(
+            f"kept session {k['session']}, turn {k['turn']} on {replica}: "
+            f"cached {cached} of {prompt}, miss {miss}"
+        )
+    print(f"decode replicas: first {result['first_replicas']}, last {result['last_replicas']}")
     print(f"errors: {result['errors']}\nresults: {out}")
     return 1 if result["errors"] else 0

@@ -39,6 +39,10 @@ SHAPES: dict[str, Shape] = {
     "bench-qwen3": Shape(
         layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64, intermediate=2048, max_positions=16384
     ),
+    # The embedded tiny model's dimensions at 32k positions: agent-sized histories on CPU.
+    "fleet-qwen3": Shape(
+        layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, max_positions=32768
+    ),
     # Qwen3-8B's published configuration (36 layers, GQA 32/8, head_dim 128).
     "bench-qwen3-8b": Shape(
         layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, max_positions=40960

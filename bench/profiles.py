@@ -11,12 +11,15 @@
 * `chat`: the embedded model with the app's defaults, 1 session x 6 turns of ~300 new
   tokens, 16-token answers: the fixed cost of P/D per turn, as `make run` users see it.
 * `smoke`: the tiny embedded model, 2 sessions x 2 turns of short texts (tests).
-* `elastic`: the agentic workload (6 sessions x 8 turns, ~4k-token histories) on 1 prefill
+* `elastic`: the agentic workload (6 sessions x 8 turns, ~2.5k-token histories) on 1 prefill
   + 2 decode replicas; one decode replica is removed after turn 4, with the drain's moves
   on and then off (`bench.elastic`).
 * `autoscale`: the elastic workload on a decode pool that autoscales 1-2 on KV in use: it
-  scales up under load, two more turns run, all but two sessions end, it scales down
-  (the removed replica's conversations move), the two kept sessions go on.
+  scales up under load, two more turns run, all but one session end, it scales down
+  (the removed replica's conversations move), the kept session goes on.
+* `fleet`: agent-trace-shaped sessions (`bench.traces`): Poisson arrivals, log-normal
+  turns and heavy-tailed tool results, pauses, subagents sharing their parent's system
+  prompt; `--trace FILE` replays a JSONL trace instead.
 * `pressure`: the embedded model, 12 agents of up to 6 turns that pause 0-4 s before each
   turn and vanish at random (15% after each turn), on a decode engine of 384 blocks that
   holds about a third of what they would pin: reuse under memory pressure, evictions and
@@ -30,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from app.config import DEFAULT_MODEL, AppConfig, Mode
+from bench.traces import TraceShape
 from bench.workload import WorkloadSpec
 
 MiB = 1 << 20
@@ -83,6 +87,9 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     """The app's `sessions.*` settings (e.g. `pinned_fraction`); empty: the app's defaults."""
+    trace: TraceShape | None = None
+    """A trace-shaped workload (`bench.traces`) in place of `workload`'s uniform sessions
+    (`workload` then only names the answer length of the warm-up)."""
 
     def with_overrides(self, **changes) -> Profile:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -94,7 +101,11 @@ class Profile:
 
     def app_config(self, mode: str, model_path: str, app_name: str) -> AppConfig:
         """The app's config for one mode: one prefill and one decode engine (P/D modes),
-        or one engine (single)."""
+        one engine (single), or two engines with session affinity and prefix caching
+        (dp: `single` with two replicas, the same engine count as P/D)."""
+        if mode == DP:
+            cfg = self.app_config(Mode.SINGLE.value, model_path, app_name)
+            return cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"num_replicas": 2})})
         role = {
             "num_replicas": 1,
             "num_cpus": self.num_cpus if self.num_cpus is not None else engine_cpus(),
@@ -329,7 +340,7 @@ def profile(name: str) -> Profile:
         )
     if name == "elastic":
         agentic = profile("agentic")
-        # The agentic workload with longer histories (~4k tokens by the downscale), every
+        # The agentic workload with longer histories (~2.5k tokens by the downscale), every
         # session in flight (the run holds them all at one turn); 1 prefill + 2 decode
         # replicas, half a CPU each (`bench.elastic`).
         return replace(
@@ -349,11 +360,43 @@ def profile(name: str) -> Profile:
         )
     if name == "autoscale":
         # The elastic workload on a decode pool that autoscales 1-2 on KV in use; decode
-        # engines of 192 MiB (1,536 blocks of the embedded model), so that the six
-        # conversations pass the target after four turns (`bench.elastic.autoscale_main`).
-        return replace(profile("elastic"), name="autoscale", decode_kv_cache_bytes=192 * MiB)
+        # engines of 128 MiB (1,023 blocks of the embedded model): the six conversations
+        # pin about a quarter of them after four turns, past the target of 0.15, and one
+        # left alone about a twelfth (`bench.elastic.autoscale_main`).
+        return replace(profile("elastic"), name="autoscale", decode_kv_cache_bytes=128 * MiB)
+    if name == "fleet":
+        # Agent traces (`bench.traces.TraceShape`) scaled to 2 cores: 8 agents arriving
+        # over ~10 s (one in six a subagent sharing its parent's system prompt), 12 turns
+        # at the median, tool results of ~300 tokens at the median with a heavy tail to
+        # 6k, 1 s pauses; histories reach ~4-11k tokens. The model is the embedded one's
+        # dimensions at 32k positions, random weights (`fleet-qwen3`).
+        return replace(
+            profile("agentic"),
+            name="fleet",
+            model="fleet-qwen3",
+            load_format="dummy",
+            max_model_len=32768,
+            trace=TraceShape(
+                sessions=8,
+                arrival_rate_per_s=0.8,
+                turns_median=12,
+                turns_max=24,
+                system_tokens=1500,
+                tool_median_tokens=300,
+                tool_max_tokens=6000,
+                answer_median_tokens=24,
+                pause_median_s=1.0,
+                subagent_prob=0.15,
+                seed=1,
+            ),
+        )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure", "elastic", "autoscale")
-MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE))
+PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure", "elastic", "autoscale", "fleet")
+DP = "dp"
+"""Data-parallel engines with session affinity: what agent operators run without P/D."""
+MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP,)
+"""Every mode a run can deploy."""
+DEFAULT_MODES = MODES[:3]
+"""What a run deploys without `--modes`."""

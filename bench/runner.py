@@ -246,7 +246,8 @@ def run_mode(
     app_name = f"bench-{mode}"
     cfg = profile.app_config(mode, model_path, app_name)
     foreign = engine_pids()
-    log(f"[{mode}] deploying {cfg.model_name} ({'P/D' if cfg.disaggregated else 'one engine'})")
+    shape = "P/D" if cfg.disaggregated else f"{cfg.decode.num_replicas} engine(s), no P/D"
+    log(f"[{mode}] deploying {cfg.model_name} ({shape})")
     t = time.perf_counter()
     serve.run(build(cfg), name=app_name, route_prefix="/")
     url = cluster.url

@@ -156,12 +156,18 @@ class TurnPlan:
     """Seconds the client waits after the previous answer before sending this turn."""
     tool_name: str | None = None
     """Tool turns: the tool whose result this is (`tool_calls` workloads call it)."""
+    answer_tokens: int | None = None
+    """The answer's length for this turn (None: the workload's `answer_tokens`)."""
 
 
 @dataclass(frozen=True)
 class SessionPlan:
     index: int
     turns: tuple[TurnPlan, ...]
+    start_s: float = 0.0
+    """When the session starts, in seconds from the run's start (trace arrivals)."""
+    system: str | None = None
+    """Its own system prompt (None: the workload's shared one)."""
 
 
 @dataclass(frozen=True)
