@@ -498,7 +498,9 @@ class DrainConfig(_Strict):
     )
     parallel: int = Field(4, ge=1, le=64, description="Conversations moved at once.")
     answer_grace_s: float = Field(
-        30.0, ge=0, description="Seconds a stopping decode replica lets its in-flight answers finish."
+        30.0,
+        ge=0,
+        description="Seconds a stopping engine replica (either role) lets its in-flight requests finish.",
     )
     rebalance: bool = Field(
         True,

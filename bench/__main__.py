@@ -327,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         warmup = generate(warm_spec, counter, tag="warmup")
 
+    if prof.name in ("fleet", "fleet-gpu") and not args.url and args.trace is None:
+        from bench import fleet
+
+        modes = _modes(args.modes or "dp,oneway,bidir", args.api)
+        return fleet.main(args, prof, model_path, modes, lambda msg: print(msg, file=sys.stderr))
     if prof.name in ("elastic", "autoscale"):
         from bench import elastic
 

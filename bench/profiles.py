@@ -365,11 +365,11 @@ def profile(name: str) -> Profile:
         # left alone about a twelfth (`bench.elastic.autoscale_main`).
         return replace(profile("elastic"), name="autoscale", decode_kv_cache_bytes=128 * MiB)
     if name == "fleet":
-        # Agent traces (`bench.traces.TraceShape`) scaled to 2 cores: 8 agents arriving
-        # over ~10 s (one in six a subagent sharing its parent's system prompt), 12 turns
-        # at the median, tool results of ~300 tokens at the median with a heavy tail to
-        # 6k, 1 s pauses; histories reach ~4-11k tokens. The model is the embedded one's
-        # dimensions at 32k positions, random weights (`fleet-qwen3`).
+        # Agent traces (`bench.traces.TraceShape`) scaled to 2 cores: agents arriving at
+        # 0.8/s (one in six a subagent sharing its parent's system prompt), 10 turns at the
+        # median, tool results of ~200 tokens at the median with a heavy tail to 3k, 1 s
+        # pauses, histories up to 8k tokens. `bench.fleet` ramps the agents (2, 4, 8). The
+        # model is the embedded one's dimensions at 32k positions, random weights.
         return replace(
             profile("agentic"),
             name="fleet",
@@ -379,21 +379,55 @@ def profile(name: str) -> Profile:
             trace=TraceShape(
                 sessions=8,
                 arrival_rate_per_s=0.8,
-                turns_median=12,
-                turns_max=24,
-                system_tokens=1500,
-                tool_median_tokens=300,
-                tool_max_tokens=6000,
+                turns_median=10,
+                turns_max=16,
+                system_tokens=1000,
+                tool_median_tokens=200,
+                tool_max_tokens=3000,
                 answer_median_tokens=24,
                 pause_median_s=1.0,
                 subagent_prob=0.15,
+                max_history_tokens=8000,
+                seed=1,
+            ),
+        )
+    if name == "fleet-gpu":
+        # The fleet workload at agent sizes for one accelerator (the gpu profile's engines):
+        # Codex-like traces, 20 turns at the median, tool results of ~1k tokens with a tail
+        # to 12k, histories up to 30k tokens. Levels 4-32 agents.
+        return replace(
+            profile("gpu"),
+            name="fleet-gpu",
+            trace=TraceShape(
+                sessions=8,
+                arrival_rate_per_s=1.0,
+                turns_median=20,
+                turns_max=40,
+                system_tokens=4000,
+                tool_median_tokens=1000,
+                tool_max_tokens=12000,
+                answer_median_tokens=100,
+                pause_median_s=2.0,
+                subagent_prob=0.15,
+                max_history_tokens=30000,
                 seed=1,
             ),
         )
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure", "elastic", "autoscale", "fleet")
+PROFILES = (
+    "cpu",
+    "agentic",
+    "chat",
+    "gpu",
+    "smoke",
+    "pressure",
+    "elastic",
+    "autoscale",
+    "fleet",
+    "fleet-gpu",
+)
 DP = "dp"
 """Data-parallel engines with session affinity: what agent operators run without P/D."""
 MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP,)

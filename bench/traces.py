@@ -142,6 +142,9 @@ class TraceShape:
     pause_median_s: float = 1.0
     pause_sigma: float = 0.8
     subagent_prob: float = 0.15
+    max_history_tokens: int | None = None
+    """A session ends before a turn would take its history (prompt and answer) past this:
+    the engines' context length, less room."""
     seed: int = 0
     notes: dict = field(default_factory=dict)
 
@@ -179,7 +182,8 @@ class TraceShape:
         count = _bounded(
             rng.lognormvariate(math.log(self.turns_median), self.turns_sigma), self.turns_min, self.turns_max
         )
-        turns = []
+        turns: list[TraceTurn] = []
+        history = self.system_tokens
         for i in range(count):
             answer = max(1, round(rng.lognormvariate(math.log(self.answer_median_tokens), self.answer_sigma)))
             if i and rng.random() < self.tool_prob:
@@ -194,6 +198,10 @@ class TraceShape:
                 )
             else:
                 turns.append(TraceTurn("user", self.user_tokens, answer, self._pause(rng) if i else 0.0))
+            history += turns[-1].tokens + answer
+            if self.max_history_tokens is not None and history > self.max_history_tokens and i:
+                turns.pop()
+                break
         return tuple(turns)
 
     def _pause(self, rng: random.Random) -> float:

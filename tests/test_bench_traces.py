@@ -137,3 +137,10 @@ def test_dp_is_two_single_engines_with_the_cores_of_one_pd_pair(tmp_path):
     assert dp.decode.num_cpus == pd.decode.num_cpus == pd.prefill.num_cpus
     assert _modes("dp,oneway,bidir", Api.CHAT) == ["dp", "oneway", "bidir"]
     assert _modes(None, Api.CHAT) == ["oneway", "bidir", "single"]
+
+
+def test_histories_stay_within_the_context_asked_for():
+    shape = TraceShape(sessions=50, tool_median_tokens=2000, max_history_tokens=12000, seed=2)
+    for s in shape.generate().sessions:
+        assert s.system_tokens + sum(t.tokens + t.answer_tokens for t in s.turns) <= 12000
+        assert len(s.turns) >= 1

@@ -1,0 +1,319 @@
+"""`python -m bench --profile fleet --modes dp,oneway,bidir`: goodput at a latency target.
+
+Per mode: deploy once, warm up, then ramp the number of concurrent agents through
+`LEVELS` (2, 4, 8 on CPU; 4-32 with `--profile fleet-gpu`). Each level runs a fresh
+trace of that many agents (`bench.traces`, the profile's shape; its own system prompts,
+so levels do not share cache) to its end, with the engines' counters read around it. A
+level *meets the target* when its TTFT p90 is within `SLO.ttft_p90_s` and its
+inter-token latency p99 within `SLO.itl_p99_s`. A mode's goodput is the highest rate of turns
+(turns per second of the level's wall time) at a level that meets the target, and the
+number of agents there.
+
+Reported per mode and level: turns/s, TTFT p50/p90, ITL p99, whether the target holds,
+prompt tokens computed by the engines; per mode, TTFT by history bucket and for turns
+carrying long tool results (`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway. A PNG
+plots turns/s and TTFT p90 against agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
+from bench.profiles import Profile
+from bench.traces import to_workload
+from bench.workload import TokenCounter, Workload
+
+LEVELS = {"fleet": (2, 4, 8), "fleet-gpu": (4, 8, 16, 32)}
+"""Concurrent agents per level, in order, by profile."""
+LONG_TOOL_TOKENS = 1000
+"""A turn whose tool result is at least this long counts as a long tool result."""
+BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 1 << 30))
+"""History buckets (prompt tokens) for the per-bucket TTFT table."""
+
+
+@dataclass(frozen=True)
+class SLO:
+    """The latency target (CPU-scaled: the embedded model on 2 cores)."""
+
+    ttft_p90_s: float = 2.0
+    itl_p99_s: float = 0.5
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The nearest-rank quantile (p90 of 10 values: the 9th smallest)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str, Any]:
+    """One level's figures and whether it meets `slo`."""
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itls = [gap for r in ok for gap in r.itl_s]
+    ttft_p90, itl_p99 = _quantile(ttfts, 0.9), _quantile(itls, 0.99)
+    errors = len(records) - len(ok)
+    meets = (
+        errors == 0
+        and ttft_p90 is not None
+        and ttft_p90 <= slo.ttft_p90_s
+        and (itl_p99 is None or itl_p99 <= slo.itl_p99_s)
+    )
+    return {
+        "turns": len(ok),
+        "errors": errors,
+        "wall_s": round(wall_s, 2),
+        "turns_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p90_s": ttft_p90,
+        "itl_p99_s": itl_p99,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "meets_slo": meets,
+    }
+
+
+def goodput(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The level with the highest turns/s among those that meet the target."""
+    meeting = [lv for lv in levels if lv["meets_slo"] and lv["turns_per_s"]]
+    if not meeting:
+        return None
+    best = max(meeting, key=lambda lv: lv["turns_per_s"])
+    return {"agents": best["agents"], "turns_per_s": best["turns_per_s"]}
+
+
+def buckets(records: list[TurnRecord], long_tools: set[tuple[int, int]]) -> dict[str, Any]:
+    """TTFT p50/p90 per history bucket, and for turns with long tool results."""
+    ok = [(r, r.ttft_s) for r in records if r.ok and r.ttft_s is not None]
+    out: dict[str, Any] = {}
+    for low, high in BUCKETS:
+        group = [ttft for r, ttft in ok if low <= (r.prompt_tokens or 0) < high]
+        name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
+        out[name] = {
+            "turns": len(group),
+            "ttft_p50_s": _quantile(group, 0.5),
+            "ttft_p90_s": _quantile(group, 0.9),
+        }
+    long = [ttft for r, ttft in ok if (r.session, r.turn) in long_tools]
+    out["long_tool"] = {
+        "turns": len(long),
+        "ttft_p50_s": _quantile(long, 0.5),
+        "ttft_p90_s": _quantile(long, 0.9),
+    }
+    return out
+
+
+def _long_tool_turns(workload: Workload) -> set[tuple[int, int]]:
+    return {
+        (p.index, i + 1)
+        for p in workload.sessions
+        for i, t in enumerate(p.turns)
+        if t.kind == "tool" and t.tokens >= LONG_TOOL_TOKENS
+    }
+
+
+def run_mode(
+    cluster, prof: Profile, mode: str, model_path: str, counter: TokenCounter, slo: SLO, log
+) -> dict:
+    from ray import serve
+
+    from app.builder import build
+    from bench.runner import engine_counters
+
+    assert prof.trace is not None
+    app = f"fleet-{mode}"
+    cfg = prof.app_config(mode, model_path, app)
+    log(f"[{mode}] deploying")
+    t = time.perf_counter()
+    serve.run(build(cfg), name=app, route_prefix="/")
+    url = cluster.url
+    levels: list[dict[str, Any]] = []
+    records_by_level: dict[int, list[dict]] = {}
+    all_records: list[TurnRecord] = []
+    long_tools: set[tuple[int, int]] = set()
+    try:
+        asyncio.run(wait_healthy(url, 300))
+        deploy_s = time.perf_counter() - t
+        model = asyncio.run(served_model(url))
+        warm = to_workload(
+            replace(prof.trace, sessions=1, turns_median=3, turns_max=3).generate(), counter, tag="warm"
+        )
+        asyncio.run(run_workload(url, model, warm, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
+        roles = ("PrefillServer", "DecodeServer") if cfg.disaggregated else ("DecodeServer",)
+        for agents in LEVELS[prof.name]:
+            workload = to_workload(replace(prof.trace, sessions=agents).generate(), counter, tag=f"L{agents}")
+            before = {r: engine_counters(app, r) for r in roles}
+            log(f"[{mode}] {agents} agents")
+            records, wall = asyncio.run(
+                run_workload(url, model, workload, session_prefix=f"{mode}-L{agents}-{uuid.uuid4().hex[:6]}")
+            )
+            time.sleep(1.0)
+            after = {r: engine_counters(app, r) for r in roles}
+            computed = sum(
+                (after[r] or {}).get("prompt_tokens_computed", 0)
+                - (before[r] or {}).get("prompt_tokens_computed", 0)
+                for r in roles
+            )
+            level = {"agents": agents, **level_stats(records, wall, slo), "engine_tokens_computed": computed}
+            levels.append(level)
+            log(f"[{mode}] {agents} agents: {level}")
+            # Sessions of later levels are renumbered after this level's for the buckets.
+            offset = 1000 * agents
+            long_tools |= {(offset + s, t) for s, t in _long_tool_turns(workload)}
+            all_records += [replace(r, session=offset + r.session) for r in records]
+            records_by_level[agents] = [r.as_dict() for r in records]
+        kv = asyncio.run(kv_stats(url))
+    finally:
+        serve.delete(app)
+    return {
+        "mode": mode,
+        "deploy_s": round(deploy_s, 1),
+        "levels": levels,
+        "goodput": goodput(levels),
+        "buckets": buckets(all_records, long_tools),
+        "kv_turns": (kv or {}).get("turns"),
+        "records": records_by_level,
+    }
+
+
+def ratios(modes: dict[str, dict]) -> dict[str, Any]:
+    """bidir against dp and oneway: goodput, ITL p99 at the highest common level, TTFT per bucket."""
+    out: dict[str, Any] = {}
+    bidir = modes.get("bidir")
+    if bidir is None:
+        return out
+    for other in ("dp", "oneway"):
+        run = modes.get(other)
+        if run is None:
+            continue
+        g_b, g_o = bidir["goodput"], run["goodput"]
+        out[f"goodput_bidir_over_{other}"] = (
+            round(g_b["turns_per_s"] / g_o["turns_per_s"], 3) if g_b and g_o else None
+        )
+        common = max(
+            set(lv["agents"] for lv in bidir["levels"]) & set(lv["agents"] for lv in run["levels"]),
+            default=None,
+        )
+        if common is not None:
+            b = next(lv for lv in bidir["levels"] if lv["agents"] == common)
+            o = next(lv for lv in run["levels"] if lv["agents"] == common)
+            out[f"itl_p99_bidir_over_{other}_at_{common}"] = (
+                round(b["itl_p99_s"] / o["itl_p99_s"], 3) if b["itl_p99_s"] and o["itl_p99_s"] else None
+            )
+        out[f"ttft_p50_bidir_over_{other}_by_bucket"] = {
+            name: round(v["ttft_p50_s"] / run["buckets"][name]["ttft_p50_s"], 3)
+            if v["ttft_p50_s"] and run["buckets"][name]["ttft_p50_s"]
+            else None
+            for name, v in bidir["buckets"].items()
+        }
+    return out
+
+
+def markdown(results: dict) -> str:
+    def f(v, digits=3):
+        return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+    slo = results["slo"]
+    lines = [
+        f"Target: TTFT p90 <= {slo['ttft_p90_s']} s and ITL p99 <= {slo['itl_p99_s']} s.",
+        "",
+        "| mode | agents | turns/s | TTFT p50 | TTFT p90 | ITL p99 | meets target | computed | errors |",
+        "|" + " --- |" * 9,
+    ]
+    for mode, run in results["modes"].items():
+        for lv in run["levels"]:
+            row = (
+                mode,
+                str(lv["agents"]),
+                f(lv["turns_per_s"]),
+                f(lv["ttft_p50_s"]),
+                f(lv["ttft_p90_s"]),
+                f(lv["itl_p99_s"]),
+                "yes" if lv["meets_slo"] else "no",
+                str(lv["engine_tokens_computed"]),
+                str(lv["errors"]),
+            )
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| mode | goodput (turns/s) | at agents |", "| --- | --- | --- |"]
+    for mode, run in results["modes"].items():
+        g = run["goodput"] or {}
+        lines.append(f"| {mode} | {f(g.get('turns_per_s'))} | {f(g.get('agents'))} |")
+    names = list(next(iter(results["modes"].values()))["buckets"]) if results["modes"] else []
+    lines += [
+        "",
+        "| mode | " + " | ".join(f"TTFT p50 {n}" for n in names) + " |",
+        "|" + " --- |" * (len(names) + 1),
+    ]
+    for mode, run in results["modes"].items():
+        lines.append(f"| {mode} | " + " | ".join(f(run["buckets"][n]["ttft_p50_s"]) for n in names) + " |")
+    lines += ["", "Ratios: " + json.dumps(results["ratios"])]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, run in results["modes"].items():
+        agents = [lv["agents"] for lv in run["levels"]]
+        a.plot(agents, [lv["turns_per_s"] for lv in run["levels"]], marker="o", label=mode)
+        for lv in run["levels"]:
+            if not lv["meets_slo"]:
+                a.plot([lv["agents"]], [lv["turns_per_s"]], marker="x", color="black")
+        b.plot(agents, [lv["ttft_p90_s"] for lv in run["levels"]], marker="o", label=mode)
+    b.axhline(results["slo"]["ttft_p90_s"], color="grey", linestyle="--", label="target")
+    a.set(xlabel="concurrent agents", ylabel="turns / s (x: misses the target)", title="Throughput")
+    b.set(xlabel="concurrent agents", ylabel="TTFT p90 (s)", title="TTFT p90")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
+    from bench import runner
+    from bench.profiles import cluster_cpus
+
+    slo = SLO()
+    counter = TokenCounter(model_path)
+    started = time.perf_counter()
+    runs: dict[str, dict] = {}
+    with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
+        for mode in modes:
+            runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log)
+    results = {
+        "profile": prof.name,
+        "slo": asdict(slo),
+        "levels": list(LEVELS[prof.name]),
+        "trace": asdict(prof.trace) if prof.trace else None,
+        "modes": runs,
+        "ratios": ratios(runs),
+        "duration_s": round(time.perf_counter() - started, 1),
+    }
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    png = None if args.no_plot else plot(results, out.with_suffix(".png"))
+    print(markdown(results))
+    print(
+        f"\nresults: {out}"
+        + (f"\nplot: {png}" if png else "")
+        + f"\ntotal time: {results['duration_s']:.0f} s"
+    )
+    return 1 if any(lv["errors"] for run in runs.values() for lv in run["levels"]) else 0

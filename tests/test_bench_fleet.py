@@ -1,0 +1,80 @@
+"""`bench.fleet`: goodput at a latency target from synthetic records (no engines)."""
+
+from __future__ import annotations
+
+from bench.client import TurnRecord
+from bench.fleet import SLO, buckets, goodput, level_stats, markdown, ratios
+
+
+def rec(session: int, turn: int, ttft: float, prompt: int = 1000, itl: float = 0.05, ok: bool = True):
+    return TurnRecord(
+        session=session, turn=turn, kind="tool", ok=ok, ttft_s=ttft, prompt_tokens=prompt, itl_s=[itl] * 10
+    )
+
+
+def test_a_level_meets_the_target_by_ttft_p90_and_itl_p99_and_no_error():
+    slo = SLO(ttft_p90_s=1.0, itl_p99_s=0.2)
+    fast = [rec(0, t, 0.5) for t in range(1, 11)]
+    lv = level_stats(fast, 5.0, slo)
+    assert lv["meets_slo"] and lv["turns"] == 10 and lv["turns_per_s"] == 2.0 and lv["ttft_p90_s"] == 0.5
+    # One slow turn in ten is within p90; two are not.
+    assert level_stats([*fast[:9], rec(0, 10, 3.0)], 5.0, slo)["meets_slo"]
+    assert not level_stats([*fast[:8], rec(0, 9, 3.0), rec(0, 10, 3.0)], 5.0, slo)["meets_slo"]
+    assert not level_stats([rec(0, t, 0.5, itl=0.3) for t in range(1, 11)], 5.0, slo)["meets_slo"]
+    assert not level_stats([*fast, rec(0, 11, 0.1, ok=False)], 5.0, slo)["meets_slo"]
+
+
+def test_goodput_is_the_best_rate_among_levels_that_meet_the_target():
+    levels = [
+        {"agents": 2, "turns_per_s": 1.0, "meets_slo": True},
+        {"agents": 4, "turns_per_s": 1.8, "meets_slo": True},
+        {"agents": 8, "turns_per_s": 2.5, "meets_slo": False},
+    ]
+    assert goodput(levels) == {"agents": 4, "turns_per_s": 1.8}
+    assert goodput([{**lv, "meets_slo": False} for lv in levels]) is None
+
+
+def test_buckets_split_ttft_by_history_and_long_tool_results():
+    records = [rec(0, 1, 0.1, prompt=500), rec(0, 2, 0.3, prompt=2500), rec(1, 1, 0.9, prompt=9000)]
+    out = buckets(records, long_tools={(0, 2)})
+    assert out["0-2k"]["turns"] == 1 and out["2-4k"]["ttft_p50_s"] == 0.3 and out["8k+"]["ttft_p90_s"] == 0.9
+    assert out["4-8k"]["turns"] == 0 and out["4-8k"]["ttft_p50_s"] is None
+    assert out["long_tool"] == {"turns": 1, "ttft_p50_s": 0.3, "ttft_p90_s": 0.3}
+
+
+def _run(rate_2: float, rate_4: float, meets_4: bool, itl: float, ttft: float) -> dict:
+    levels = [
+        {"agents": 2, "turns_per_s": rate_2, "meets_slo": True, "itl_p99_s": itl},
+        {"agents": 4, "turns_per_s": rate_4, "meets_slo": meets_4, "itl_p99_s": itl},
+    ]
+    b = {"0-2k": {"ttft_p50_s": ttft}, "long_tool": {"ttft_p50_s": ttft * 2}}
+    return {"levels": levels, "goodput": goodput(levels), "buckets": b}
+
+
+def test_ratios_of_bidir_against_dp_and_oneway():
+    modes = {
+        "bidir": _run(1.0, 2.0, True, 0.1, 0.2),
+        "dp": _run(1.0, 1.6, False, 0.2, 0.2),
+        "oneway": _run(0.5, 0.8, False, 0.1, 0.8),
+    }
+    r = ratios(modes)
+    assert r["goodput_bidir_over_dp"] == 2.0 and r["goodput_bidir_over_oneway"] == 4.0
+    assert r["itl_p99_bidir_over_dp_at_4"] == 0.5
+    assert r["ttft_p50_bidir_over_oneway_by_bucket"] == {"0-2k": 0.25, "long_tool": 0.25}
+    table = markdown(
+        {
+            "slo": {"ttft_p90_s": 2.0, "itl_p99_s": 0.5},
+            "modes": {
+                m: {
+                    **run,
+                    "levels": [
+                        {**lv, "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "engine_tokens_computed": 5, "errors": 0}
+                        for lv in run["levels"]
+                    ],
+                }
+                for m, run in modes.items()
+            },
+            "ratios": r,
+        }
+    )
+    assert "| bidir | 4 | 2.000 |" in table and "| dp | 2.000 |" not in table
