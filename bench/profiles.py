@@ -106,6 +106,9 @@ class Profile:
         if mode == DP:
             cfg = self.app_config(Mode.SINGLE.value, model_path, app_name)
             return cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"num_replicas": 2})})
+        if mode == BIDIR_PD:
+            every_turn_via_prefill = replace(self, decode_local_tokens=0, decode_local_busy_tokens=0)
+            return every_turn_via_prefill.app_config(Mode.BIDIR.value, model_path, app_name)
         role = {
             "num_replicas": 1,
             "num_cpus": self.num_cpus if self.num_cpus is not None else engine_cpus(),
@@ -430,7 +433,10 @@ PROFILES = (
 )
 DP = "dp"
 """Data-parallel engines with session affinity: what agent operators run without P/D."""
-MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP,)
+BIDIR_PD = "bidir-pd"
+"""bidir with every turn through prefill (no turn computed on decode): decode engines
+only decode, whatever arrives."""
+MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP, BIDIR_PD)
 """Every mode a run can deploy."""
 DEFAULT_MODES = MODES[:3]
 """What a run deploys without `--modes`."""

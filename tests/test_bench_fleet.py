@@ -78,3 +78,12 @@ def test_ratios_of_bidir_against_dp_and_oneway():
         }
     )
     assert "| bidir | 4 | 2.000 |" in table and "| dp | 2.000 |" not in table
+
+
+def test_every_bidir_mode_is_compared_and_a_ramp_stops_at_the_first_miss():
+    modes = {"bidir-pd": _run(1.0, 2.4, True, 0.1, 0.2), "dp": _run(1.0, 1.6, True, 0.2, 0.2)}
+    r = ratios(modes)
+    assert r["goodput_bidir-pd_over_dp"] == 1.5 and "goodput_bidir_over_dp" not in r
+    from bench.fleet import LEVELS
+
+    assert LEVELS["fleet"] == tuple(sorted(LEVELS["fleet"]))  # ramps go up
