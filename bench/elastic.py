@@ -4,8 +4,9 @@ agentic workload, with the drain's moves on and off.
 Per run (`drain.migrate` on, then off): deploy bidir with one prefill and two decode
 replicas, warm up, run the sessions to turn `DOWN_AT`, hold every session there, redeploy
 with one decode replica (Serve stops one; with the moves on, it hands its conversations to
-the survivor over NIXL before it goes), then run the remaining turns. A session is
-*affected* when its turn `DOWN_AT` was answered by the replica that went away.
+the survivor over NIXL before it goes), then resume them `RESUME_SPACING_S` apart and run
+the remaining turns. A session is *affected* when its turn `DOWN_AT` was answered by the
+replica that went away.
 
 Reported per run: the affected sessions' TTFT on their next turn against their own
 steady state (the mean of their two turns before) and against the unaffected sessions'
@@ -28,6 +29,8 @@ from bench.workload import Workload
 
 DOWN_AT = 4
 """The last turn before the downscale."""
+RESUME_SPACING_S = 0.5
+"""After the downscale the held sessions resume this far apart, in session order."""
 
 
 def _mean(values: list[float]) -> float | None:
@@ -117,8 +120,11 @@ def run_one(
                 await asyncio.to_thread(scale_down)
                 released.set()
             await released.wait()
+            # Resume one session at a time, as they came in (not as one burst).
+            await asyncio.sleep(RESUME_SPACING_S * order.index(session))
             return True
 
+        order = [p.index for p in workload.sessions]
         records, wall = asyncio.run(
             run_workload(url, model, workload, session_prefix=f"el-{uuid.uuid4().hex[:6]}", gate=gate)
         )

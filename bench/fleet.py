@@ -143,8 +143,6 @@ def run_mode(
     url = cluster.url
     levels: list[dict[str, Any]] = []
     records_by_level: dict[int, list[dict]] = {}
-    all_records: list[TurnRecord] = []
-    long_tools: set[tuple[int, int]] = set()
     try:
         asyncio.run(wait_healthy(url, 300))
         deploy_s = time.perf_counter() - t
@@ -169,13 +167,14 @@ def run_mode(
                 - (before[r] or {}).get("prompt_tokens_computed", 0)
                 for r in roles
             )
-            level = {"agents": agents, **level_stats(records, wall, slo), "engine_tokens_computed": computed}
+            level = {
+                "agents": agents,
+                **level_stats(records, wall, slo),
+                "engine_tokens_computed": computed,
+                "buckets": buckets(records, _long_tool_turns(workload)),
+            }
             levels.append(level)
             log(f"[{mode}] {agents} agents: {level}")
-            # Sessions of later levels are renumbered after this level's for the buckets.
-            offset = 1000 * agents
-            long_tools |= {(offset + s, t) for s, t in _long_tool_turns(workload)}
-            all_records += [replace(r, session=offset + r.session) for r in records]
             records_by_level[agents] = [r.as_dict() for r in records]
             if not level["meets_slo"]:
                 break
@@ -187,7 +186,6 @@ def run_mode(
         "deploy_s": round(deploy_s, 1),
         "levels": levels,
         "goodput": goodput(levels),
-        "buckets": buckets(all_records, long_tools),
         "kv_turns": (kv or {}).get("turns"),
         "records": records_by_level,
     }
@@ -210,18 +208,19 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
                 round(g_b["turns_per_s"] / g_o["turns_per_s"], 3) if g_b and g_o else None
             )
             both = {lv["agents"] for lv in run_b["levels"]} & {lv["agents"] for lv in run["levels"]}
-            if both:
-                common = max(both)
-                b = next(lv for lv in run_b["levels"] if lv["agents"] == common)
-                o = next(lv for lv in run["levels"] if lv["agents"] == common)
-                out[f"itl_p99_{mine}_over_{other}_at_{common}"] = (
-                    round(b["itl_p99_s"] / o["itl_p99_s"], 3) if b["itl_p99_s"] and o["itl_p99_s"] else None
-                )
-            out[f"ttft_p50_{mine}_over_{other}_by_bucket"] = {
-                name: round(v["ttft_p50_s"] / run["buckets"][name]["ttft_p50_s"], 3)
-                if v["ttft_p50_s"] and run["buckets"][name]["ttft_p50_s"]
+            if not both:
+                continue
+            common = max(both)
+            b = next(lv for lv in run_b["levels"] if lv["agents"] == common)
+            o = next(lv for lv in run["levels"] if lv["agents"] == common)
+            out[f"itl_p99_{mine}_over_{other}_at_{common}"] = (
+                round(b["itl_p99_s"] / o["itl_p99_s"], 3) if b["itl_p99_s"] and o["itl_p99_s"] else None
+            )
+            out[f"ttft_p50_{mine}_over_{other}_by_bucket_at_{common}"] = {
+                name: round(v["ttft_p50_s"] / o["buckets"][name]["ttft_p50_s"], 3)
+                if v["ttft_p50_s"] and o["buckets"][name]["ttft_p50_s"]
                 else None
-                for name, v in run_b["buckets"].items()
+                for name, v in b["buckets"].items()
             }
     return out
 
@@ -255,14 +254,25 @@ def markdown(results: dict) -> str:
     for mode, run in results["modes"].items():
         g = run["goodput"] or {}
         lines.append(f"| {mode} | {f(g.get('turns_per_s'))} | {f(g.get('agents'))} |")
-    names = list(next(iter(results["modes"].values()))["buckets"]) if results["modes"] else []
-    lines += [
-        "",
-        "| mode | " + " | ".join(f"TTFT p50 {n}" for n in names) + " |",
-        "|" + " --- |" * (len(names) + 1),
-    ]
-    for mode, run in results["modes"].items():
-        lines.append(f"| {mode} | " + " | ".join(f(run["buckets"][n]["ttft_p50_s"]) for n in names) + " |")
+    # TTFT by history bucket at the highest level every mode ran (same load for all).
+    common = min(
+        (max(lv["agents"] for lv in run["levels"]) for run in results["modes"].values()), default=None
+    )
+    if common is not None:
+        at = {
+            m: next(lv for lv in run["levels"] if lv["agents"] == common)
+            for m, run in results["modes"].items()
+        }
+        names = list(next(iter(at.values()))["buckets"])
+        lines += [
+            "",
+            f"TTFT p50 (s) by history at {common} agents:",
+            "",
+            "| mode | " + " | ".join(names) + " |",
+            "|" + " --- |" * (len(names) + 1),
+        ]
+        for mode, lv in at.items():
+            lines.append(f"| {mode} | " + " | ".join(f(lv["buckets"][n]["ttft_p50_s"]) for n in names) + " |")
     lines += ["", "Ratios: " + json.dumps(results["ratios"])]
     return "\n".join(lines)
 

@@ -43,12 +43,12 @@ def test_buckets_split_ttft_by_history_and_long_tool_results():
 
 
 def _run(rate_2: float, rate_4: float, meets_4: bool, itl: float, ttft: float) -> dict:
-    levels = [
-        {"agents": 2, "turns_per_s": rate_2, "meets_slo": True, "itl_p99_s": itl},
-        {"agents": 4, "turns_per_s": rate_4, "meets_slo": meets_4, "itl_p99_s": itl},
-    ]
     b = {"0-2k": {"ttft_p50_s": ttft}, "long_tool": {"ttft_p50_s": ttft * 2}}
-    return {"levels": levels, "goodput": goodput(levels), "buckets": b}
+    levels = [
+        {"agents": 2, "turns_per_s": rate_2, "meets_slo": True, "itl_p99_s": itl, "buckets": b},
+        {"agents": 4, "turns_per_s": rate_4, "meets_slo": meets_4, "itl_p99_s": itl, "buckets": b},
+    ]
+    return {"levels": levels, "goodput": goodput(levels)}
 
 
 def test_ratios_of_bidir_against_dp_and_oneway():
@@ -60,7 +60,7 @@ def test_ratios_of_bidir_against_dp_and_oneway():
     r = ratios(modes)
     assert r["goodput_bidir_over_dp"] == 2.0 and r["goodput_bidir_over_oneway"] == 4.0
     assert r["itl_p99_bidir_over_dp_at_4"] == 0.5
-    assert r["ttft_p50_bidir_over_oneway_by_bucket"] == {"0-2k": 0.25, "long_tool": 0.25}
+    assert r["ttft_p50_bidir_over_oneway_by_bucket_at_4"] == {"0-2k": 0.25, "long_tool": 0.25}
     table = markdown(
         {
             "slo": {"ttft_p90_s": 2.0, "itl_p99_s": 0.5},
@@ -78,6 +78,7 @@ def test_ratios_of_bidir_against_dp_and_oneway():
         }
     )
     assert "| bidir | 4 | 2.000 |" in table and "| dp | 2.000 |" not in table
+    assert "TTFT p50 (s) by history at 4 agents" in table and "| oneway | 0.800 | 1.600 |" in table
 
 
 def test_every_bidir_mode_is_compared_and_a_ramp_stops_at_the_first_miss():
