@@ -12,7 +12,7 @@ level that meets the target, and the number of agents there.
 Reported per mode and level: turns/s, TTFT p50/p90, ITL p99, whether the target holds,
 prompt tokens computed by the engines; per mode, TTFT by history bucket and for turns
 carrying long tool results (`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway. A PNG
-plots turns/s and TTFT p90 against agents.
+plots turns/s, TTFT p90 and ITL p99 against agents.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def plot(results: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     for mode, run in results["modes"].items():
         agents = [lv["agents"] for lv in run["levels"]]
         a.plot(agents, [lv["turns_per_s"] for lv in run["levels"]], marker="o", label=mode)
@@ -293,11 +293,14 @@ def plot(results: dict, path: Path) -> Path | None:
             if not lv["meets_slo"]:
                 a.plot([lv["agents"]], [lv["turns_per_s"]], marker="x", color="black")
         b.plot(agents, [lv["ttft_p90_s"] for lv in run["levels"]], marker="o", label=mode)
+        c.plot(agents, [lv["itl_p99_s"] for lv in run["levels"]], marker="o", label=mode)
     b.axhline(results["slo"]["ttft_p90_s"], color="grey", linestyle="--", label="target")
+    c.axhline(results["slo"]["itl_p99_s"], color="grey", linestyle="--", label="target")
     a.set(xlabel="concurrent agents", ylabel="turns / s (x: misses the target)", title="Throughput")
     b.set(xlabel="concurrent agents", ylabel="TTFT p90 (s)", title="TTFT p90")
-    a.legend()
-    b.legend()
+    c.set(xlabel="concurrent agents", ylabel="ITL p99 (s)", title="Inter-token latency p99")
+    for ax in (a, b, c):
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -324,6 +324,8 @@ def to_workload(trace: Trace, counter: TokenCounter, *, seed: int = 0, tag: str 
         turns=max(len(p.turns) for p in plans),
         concurrency=len(plans),
         system_tokens=max(s.system_tokens for s in trace.sessions),
+        user_tokens=max((t.tokens for s in trace.sessions for t in s.turns if t.kind == "user"), default=1),
+        tool_tokens=max((t.tokens for s in trace.sessions for t in s.turns if t.kind == "tool"), default=1),
         answer_tokens=max(t.answer_tokens for s in trace.sessions for t in s.turns),
         seed=seed,
     )
