@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from app.config import AppConfig
@@ -53,6 +53,15 @@ class MoveStore(Protocol):
 
 Mover = Callable[[EngineRequest], Awaitable[tuple[EngineChunk | None, str | None]]]
 """Runs a move request on a peer decode replica: its final chunk and the peer's replica id."""
+
+
+async def last_of(stream: AsyncIterator[tuple[EngineChunk, str]]) -> tuple[EngineChunk | None, str | None]:
+    """The final chunk of a decode replica's stream and that replica's id (a `Mover`'s
+    answer), or (None, None) for an empty stream."""
+    last, peer = None, None
+    async for chunk, replica in stream:
+        last, peer = chunk, replica
+    return last, peer
 
 
 class Moves:

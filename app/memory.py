@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.config import AppConfig
-from app.drain import Rebalance
+from app.drain import Rebalance, last_of
 from app.events import TurnCount
 from app.wire import EngineChunk, EngineRequest
 from connector.store import Conversation
@@ -180,10 +180,7 @@ class DecodeMemory:
                 self.counts[TurnCount(f"rebalance_{key}")] += n
 
     async def _move(self, request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
-        last, peer = None, None
-        async for chunk, replica in self._clients.decode(request):  # type: ignore[attr-defined]
-            last, peer = chunk, replica
-        return last, peer
+        return await last_of(self._clients.decode(request))  # type: ignore[attr-defined]
 
     def release_soon(self) -> None:
         """Flush the store's releases in the background (after a store update)."""

@@ -28,7 +28,7 @@ from ray import serve
 from app.autoscaling import KV_IN_USE, QUEUED_TOKENS
 from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig
-from app.drain import Drain
+from app.drain import Drain, last_of
 from app.engine import VLLMEngine
 from app.wire import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery
 from connector import vllm_plugin
@@ -241,10 +241,7 @@ class DecodeServer(EngineServer):
         peers = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=True)
 
         async def move(request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
-            last, peer = None, None
-            async for chunk, replica in peers.generate.remote(request):
-                last, peer = chunk, replica
-            return last, peer
+            return await last_of(peers.generate.remote(request))
 
         await Drain(self._cfg, self.info().engine_id, self.replica_id, store, move).run()
 
