@@ -372,7 +372,7 @@ class HandleStore:
         now = self._clock()
         lease = self._leases.pop(lease_id)
         if lease is None:
-            self._release_moved(handle, decode_replica, HandleState.EXPIRED, now)
+            self._release_unread(handle, decode_replica, HandleState.EXPIRED, now)
             return "late"
         if self._moving.get(lease.session_id) == lease_id:
             del self._moving[lease.session_id]
@@ -385,7 +385,7 @@ class HandleStore:
             return "failed"
         if not current or lease.ended:
             self.counts[StoreEvent.MOVE_SUPERSEDED] += 1
-            self._release_moved(handle, decode_replica, HandleState.SUPERSEDED, now)
+            self._release_unread(handle, decode_replica, HandleState.SUPERSEDED, now)
             return "superseded"
         assert record is not None  # `current`
         moved = Conversation(
@@ -395,12 +395,6 @@ class HandleStore:
         self.counts[StoreEvent.MOVED_BLOCKS] += handle.num_blocks
         self.put(moved, (record.tokens, record.text), record.retained)
         return "moved"
-
-    def _release_moved(
-        self, handle: KVHandle | None, decode_replica: str | None, reason: HandleState, now: float
-    ) -> None:
-        if handle is not None:
-            self._pins.unread_handle(handle, reason, now, decode_replica, now)
 
     # -- decode memory -----------------------------------------------------------------
 
@@ -520,8 +514,16 @@ class HandleStore:
     def _release_new(
         self, conversation: Conversation | ConversationTail | None, reason: HandleState, now: float
     ) -> None:
-        if conversation is not None and conversation.handle is not None:
-            self._pins.unread_handle(conversation.handle, reason, now, conversation.decode_replica, now)
+        if conversation is not None:
+            self._release_unread(conversation.handle, conversation.decode_replica, reason, now)
+
+    def _release_unread(
+        self, handle: KVHandle | None, decode_replica: str | None, reason: HandleState, now: float
+    ) -> None:
+        """Blocks of a handle that never entered the store (a new turn or a move's copy
+        that was not kept): released at once."""
+        if handle is not None:
+            self._pins.unread_handle(handle, reason, now, decode_replica, now)
 
     def _evict(self, record: Record) -> None:
         """Forget a kept session for the store's bounds (its stored handle is EVICTED)."""
