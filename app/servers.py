@@ -38,12 +38,12 @@ logger = logging.getLogger("ray.serve")
 
 STORE_DEPLOYMENT = "SessionStore"
 DRAIN_SLACK_S = 5.0
+"""Beyond `drain.budget_s`: the store calls before and after the moves."""
 PREFILL_READ_WAIT_S = 10.0
 """How long a stopping prefill replica waits for decode engines to read its last legs' KV."""
-"""Beyond `drain.budget_s`: the store calls before and after the moves."""
 
 
-def _peers_running(app: str, deployment: str, replica_id: str) -> bool:
+def _peers_running(app: str, deployment: str) -> bool:
     """Whether the app stays up with another running replica of `deployment` (not when
     the whole app is being deleted or every replica stops)."""
     status = serve.status().applications.get(app)
@@ -232,7 +232,7 @@ class DecodeServer(EngineServer):
 
     async def _drain(self) -> None:
         context = serve.get_replica_context()
-        if not await asyncio.to_thread(_peers_running, context.app_name, context.deployment, self.replica_id):
+        if not await asyncio.to_thread(_peers_running, context.app_name, context.deployment):
             logger.info("decode replica %s stops with no running peer: nothing to move", self.replica_id)
             return
         store = StoreClient.of_deployment(
