@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.client import TurnRecord, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
+from bench.runner import replica_ids
 from bench.workload import Workload
 
 DOWN_AT = 4
@@ -52,14 +53,7 @@ def app_config(profile: Profile, model_path: str, app: str, migrate: bool, decod
 
 
 def _decode_replicas(app: str) -> set[str]:
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#DecodeServer#"
-    return {
-        a["name"].rsplit("#", 1)[1]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(prefix)
-    }
+    return set(replica_ids(app, "DecodeServer"))
 
 
 def _wait_decode_replicas(app: str, count: int, within_s: float = 300.0) -> None:

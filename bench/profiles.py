@@ -371,7 +371,7 @@ def profile(name: str) -> Profile:
         # Agent traces (`bench.traces.TraceShape`) scaled to 2 cores: agents arriving at
         # 0.8/s (one in six a subagent sharing its parent's system prompt), 10 turns at the
         # median, tool results of ~200 tokens at the median with a heavy tail to 3k, 1 s
-        # pauses, histories up to 8k tokens. `bench.fleet` ramps the agents (2, 4, 8). The
+        # pauses, histories up to 8k tokens. `bench.fleet` ramps the agents (4-32). The
         # model is the embedded one's dimensions at 32k positions, random weights.
         return replace(
             profile("agentic"),
@@ -397,7 +397,7 @@ def profile(name: str) -> Profile:
     if name == "fleet-gpu":
         # The fleet workload at agent sizes for one accelerator (the gpu profile's engines):
         # Codex-like traces, 20 turns at the median, tool results of ~1k tokens with a tail
-        # to 12k, histories up to 30k tokens. Levels 4-32 agents.
+        # to 12k, histories up to 30k tokens. Levels 4-64 agents.
         return replace(
             profile("gpu"),
             name="fleet-gpu",

@@ -58,7 +58,7 @@ class ModeRun:
 # -- engine counters ---------------------------------------------------------------------
 
 
-def _replica_ids(app: str, deployment: str) -> list[str]:
+def replica_ids(app: str, deployment: str) -> list[str]:
     """Serve replica ids of a deployment, from the names of its live actors."""
     import ray
 
@@ -88,7 +88,7 @@ def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
     except Exception:
         return None
     seen: dict[str, dict] = {}
-    rids: Sequence[str | None] = _replica_ids(app, deployment) or [None]
+    rids: Sequence[str | None] = replica_ids(app, deployment) or [None]
     for rid in rids:
         try:
             stats = handle.stats.remote(ReplicaQuery(rid)).result(timeout_s=60)

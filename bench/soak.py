@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.client import wait_healthy
-from bench.runner import _replica_ids, engine_pids
+from bench.runner import engine_pids, replica_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEM = "You are a build assistant. Call tools, read their results, answer briefly. " * 4
@@ -195,7 +195,7 @@ async def run_session(i: int, args, client, model: str, deadline: float, report:
 def kill_replica(app: str, deployment: str, rng: random.Random) -> dict:
     import ray
 
-    ids = _replica_ids(app, deployment)
+    ids = replica_ids(app, deployment)
     if not ids:
         return {"target": deployment, "killed": None, "why": "no replica found"}
     rid = rng.choice(sorted(ids))
@@ -283,7 +283,7 @@ def decode_blocks(app: str) -> dict:
 
     handle = serve.get_deployment_handle("DecodeServer", app)
     out = {}
-    for rid in _replica_ids(app, "DecodeServer"):
+    for rid in replica_ids(app, "DecodeServer"):
         try:
             try:
                 blocks = handle.kv_blocks.remote(ReplicaQuery(rid)).result(timeout_s=60)
@@ -316,7 +316,7 @@ def pin_budgets(app: str, engines: dict) -> dict:
 
 
 def engine_processes(app: str) -> dict:
-    live = len(_replica_ids(app, "DecodeServer")) + len(_replica_ids(app, "PrefillServer"))
+    live = len(replica_ids(app, "DecodeServer")) + len(replica_ids(app, "PrefillServer"))
     running = len(engine_pids())
     return {
         "engine_processes": running,
