@@ -306,6 +306,7 @@ class HandleStore:
         record = self._records.get(session_id)
         if not self._leases.end_session(session_id) and record is None:
             return False
+        self._moving.pop(session_id, None)  # a move under way ends superseded
         if record is not None:
             if record.state is HandleState.STORED:
                 self._leave(record, HandleState.ENDED)
@@ -375,7 +376,7 @@ class HandleStore:
             self._release_unread(handle, decode_replica, HandleState.EXPIRED, now)
             return "late"
         if self._moving.get(lease.session_id) == lease_id:
-            del self._moving[lease.session_id]
+            del self._moving[lease.session_id]  # not if the session ended and began again
         record = self._records.get(lease.session_id)
         current = record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED
         # The old blocks were read by the peer (its engine frees them) or go with the replica.

@@ -452,6 +452,26 @@ def test_a_turn_stored_during_a_move_wins_and_the_peers_copy_is_released(store):
     assert store.begin_turn("a").handle.engine_id == "d-2"
 
 
+def test_a_session_ended_during_a_move_and_begun_again_is_not_told_moving(store):
+    store.put(conv("a", range(10), engine="d-0"))
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None
+    assert store.end_session("a")
+    first = store.begin_turn("a")  # the client's new conversation under the same id
+    assert first.miss_reason == "no_conversation"
+    store.end_turn(first.lease_id, TurnOutcome.UNUSED, conv("a", range(20, 30), engine="d-2"))
+    second = store.begin_turn("a")
+    assert second.handle is not None
+    racing = store.begin_turn("a")  # a turn racing the second: its handle is claimed, not moving
+    assert racing.handle is None and racing.miss_reason == "claimed", racing
+    store.end_turn(racing.lease_id, TurnOutcome.UNUSED, None)
+    store.end_turn(second.lease_id, TurnOutcome.PULLED, conv("a", range(20, 34), engine="d-2"))
+    copy = handle("d-1", blocks=3)
+    assert store.end_move(claim.lease_id, copy, "decode#1") == "superseded"
+    assert [r.request_id for r in store.take_releases()] == [copy.request_id]
+    assert store.begin_turn("a").handle.engine_id == "d-2"
+
+
 def test_a_move_claims_only_a_handle_stored_on_the_draining_engine(store, clock):
     store.put(conv("a", range(10), engine="d-1"))
     assert store.begin_move("a", "d-0") is None
