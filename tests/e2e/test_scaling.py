@@ -43,6 +43,21 @@ def _replicas(deployment: str, count: int, within_s: float = 180.0, app: str = A
         time.sleep(1)
 
 
+def _computed_per_replica(deployment: str, replicas: set[str], app: str) -> dict[str, int]:
+    """Prompt tokens each replica's engine computed, for a deployment whose router does
+    not take a replica query (prefill's balances load): asked until each has answered."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app)
+    found: dict[str, int] = {}
+    for _ in range(100):
+        stats = handle.stats.remote().result()
+        found[stats["replica_id"]] = stats["prompt_tokens_computed"]
+        if set(found) >= replicas:
+            return found
+    raise AssertionError(f"replicas {replicas - set(found)} never answered")
+
+
 def test_fewer_decode_replicas_keep_every_replica_running_and_move_the_removed_ones_kv(apps):
     from ray import serve
 
@@ -187,5 +202,87 @@ def test_a_new_replica_takes_the_oldest_conversations_of_a_nearly_full_one(apps)
             assert nxt.kvturn["decode_replica"] == (new if i < 3 else old), (session, nxt.kvturn)
             assert nxt.kvturn["reused_from_decode"] >= history - cfg.block_size, (session, nxt.kvturn)
             assert nxt.token_ids == reference_tokens(apps["url"], nxt.prompt_token_ids, len(nxt.token_ids))
+    finally:
+        serve.delete(app)
+
+
+def test_fewer_prefill_replicas_under_load_fail_no_turn(apps):
+    """A prefill downscale while agents keep talking: the app is redeployed with one
+    prefill replica fewer while three clients send turns back to back. Serve stops routing
+    to the removed replica, lets its legs in flight finish, and the replica ends its engine
+    once the decode engines have read the KV of its last legs: no turn fails, no leg falls
+    back, every answer has the tokens a plain engine computes, and the decode replica, the
+    surviving prefill replica and the other roles keep running."""
+    from ray import serve
+
+    from app.builder import build
+
+    app = "pscale"
+    overrides = {"prefill.num_replicas": 2, "decode.num_replicas": 1}
+    cfg = pd_config(app_name=app, **overrides)
+    serve.run(build(cfg), name=app, route_prefix="/" + app)
+    try:
+        url = apps["url"] + "/" + app
+        counts = {"Ingress": 1, "PrefillServer": 2, "DecodeServer": 1, "SessionStore": 1}
+        before = {d: _replicas(d, n, app=app) for d, n in counts.items()}
+        computed = _computed_per_replica("PrefillServer", before["PrefillServer"], app)
+
+        replies: list[Reply] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def agent(k: int) -> None:
+            session, turn, msgs = f"pscale-{k}-0", 0, []
+            while not stop.is_set() and not errors:
+                if turn % 5 == 0:  # a fresh session every 5 turns keeps prompts short
+                    session = f"pscale-{k}-{turn // 5}"
+                    msgs = [{"role": "system", "content": SYSTEM}]
+                msgs.append({"role": "user", "content": f"Tool {k}.{turn}: result line. " * 12})
+                try:
+                    reply = chat(url, msgs, session=session, max_tokens=8)
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+                    return
+                replies.append(reply)
+                msgs.append({"role": "assistant", "content": reply.text})
+                turn += 1
+
+        threads = [threading.Thread(target=agent, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(5)  # every agent in its stride, legs on both prefill replicas
+        now = _computed_per_replica("PrefillServer", before["PrefillServer"], app)
+        served = {r: now[r] - n for r, n in computed.items()}
+        redeployed_at = len(replies)
+        serve.run(
+            build(pd_config(app_name=app, **{**overrides, "prefill.num_replicas": 1})),
+            name=app,
+            route_prefix="/" + app,
+        )
+        after = {d: _replicas(d, 1, app=app) for d in counts}
+        time.sleep(3)  # and a few turns on the one left
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+        turns = kv_stats(url)["turns"]
+        print(f"\n{len(replies)} turns, {redeployed_at} before the redeploy; legs before it: {served}")
+        assert not errors, errors
+        assert all(served.values()), served  # both prefill replicas computed legs before
+        assert len(replies) > redeployed_at + 6, (redeployed_at, len(replies))
+        for role in ("Ingress", "DecodeServer", "SessionStore"):
+            assert after[role] == before[role], (role, before[role], after[role])
+        assert after["PrefillServer"] < before["PrefillServer"]
+        assert turns.get("prefill_failed", 0) == turns.get("prefill_timeout", 0) == 0, turns
+        for reply in replies:
+            assert reply.finish_reason in ("length", "stop") and reply.token_ids, reply
+            assert reply.token_ids == reference_tokens(
+                apps["url"], reply.prompt_token_ids, len(reply.token_ids)
+            )
+        # The turns on the survivor still read their history back from decode.
+        late = replies[redeployed_at:]
+        assert sum(r.kvturn["reused_from_decode"] > 0 for r in late) >= len(late) // 2, [
+            r.kvturn for r in late
+        ]
     finally:
         serve.delete(app)
