@@ -18,9 +18,10 @@ from connector.handle import KVHandle
 
 
 class Lease:
-    """One turn's claim: the handle it holds (None for a miss) and what it was handed."""
+    """One claim, a turn's or a move's: the handle it holds (None for a miss) and what it
+    was handed."""
 
-    __slots__ = ("session_id", "handle", "decode_replica", "stored_at", "deadline", "ended", "base")
+    __slots__ = ("session_id", "handle", "decode_replica", "stored_at", "deadline", "ended", "base", "move")
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class Lease:
         stored_at: float,
         deadline: float,
         base: tuple[array, str | None] | None = None,
+        move: bool = False,
     ):
         self.session_id = session_id
         self.handle = handle
@@ -41,6 +43,8 @@ class Lease:
         self.base = base
         """(ids, text) of the conversation handed out with the claim: what a
         `ConversationTail` ending this lease extends."""
+        self.move = move
+        """The claim is a move's (`HandleStore.begin_move`), not a turn's."""
 
 
 class LeaseBook:
@@ -63,11 +67,12 @@ class LeaseBook:
         stored_at: float,
         now: float,
         base: tuple[array, str | None] | None,
+        move: bool = False,
     ) -> int:
         """A new lease, due `timeout_s` from `now`; returns its id."""
         lease_id = next(self._ids)
         self._leases[lease_id] = Lease(
-            session_id, handle, decode_replica, stored_at, now + self._timeout, base
+            session_id, handle, decode_replica, stored_at, now + self._timeout, base, move
         )
         self._open.setdefault(session_id, set()).add(lease_id)
         return lease_id
@@ -88,6 +93,12 @@ class LeaseBook:
         for lease_id in open_leases:
             self._leases[lease_id].ended = True
         return bool(open_leases)
+
+    def moving(self, session_id: str, handle: KVHandle | None) -> bool:
+        """Whether an open lease of the session is a move's claim of `handle`."""
+        return any(
+            (lease := self._leases[i]).move and lease.handle is handle for i in self._open.get(session_id, ())
+        )
 
     def expired(self, now: float) -> Iterator[Lease]:
         """Close and yield the leases whose deadline is past, earliest first."""

@@ -139,8 +139,6 @@ class HandleStore:
         self._pins = PinLedger(decoder_ttl_s, max_blocks_per_engine, pinned_fraction)
         self._shares = TenantShares(tenant_weights, tenant_max_sessions)
         """Per tenant (`connector.shares`): shares of each engine's budget, kept sessions."""
-        self._moving: dict[str, int] = {}
-        """Sessions whose handle a move claimed (`begin_move`), to the move's lease."""
 
     # -- turns ---------------------------------------------------------------------
 
@@ -192,7 +190,7 @@ class HandleStore:
                 remaining = record.stored_at + self._decoder_ttl - now
                 self._claimed += 1
                 self.counts[StoreEvent.CLAIMED] += 1
-            elif session_id in self._moving:
+            elif self._leases.moving(session_id, record.handle):
                 reason = Miss.MOVING
             else:
                 reason = _MISS[record.state]
@@ -306,7 +304,6 @@ class HandleStore:
         record = self._records.get(session_id)
         if not self._leases.end_session(session_id) and record is None:
             return False
-        self._moving.pop(session_id, None)  # a move under way ends superseded
         if record is not None:
             if record.state is HandleState.STORED:
                 self._leave(record, HandleState.ENDED)
@@ -351,9 +348,14 @@ class HandleStore:
         self._claimed += 1
         self.counts[StoreEvent.MOVES_STARTED] += 1
         lease_id = self._leases.open(
-            session_id, handle, record.decode_replica, record.stored_at, now, (record.tokens, record.text)
+            session_id,
+            handle,
+            record.decode_replica,
+            record.stored_at,
+            now,
+            (record.tokens, record.text),
+            move=True,
         )
-        self._moving[session_id] = lease_id
         return Claim(
             lease_id=lease_id,
             session_id=session_id,
@@ -375,8 +377,6 @@ class HandleStore:
         if lease is None:
             self._release_unread(handle, decode_replica, HandleState.EXPIRED, now)
             return "late"
-        if self._moving.get(lease.session_id) == lease_id:
-            del self._moving[lease.session_id]  # not if the session ended and began again
         record = self._records.get(lease.session_id)
         current = record is not None and record.handle is lease.handle and record.state is HandleState.CLAIMED
         # The old blocks were read by the peer (its engine frees them) or go with the replica.
@@ -566,7 +566,6 @@ class HandleStore:
             self._leave(record, HandleState.EXPIRED)
         for lease in self._leases.expired(now):
             self.counts[StoreEvent.LEASE_EXPIRED] += 1
-            self._moving.pop(lease.session_id, None)
             if lease.handle is not None:
                 self._settle(lease, HandleState.EXPIRED, now)
         self._pins.sweep(now)

@@ -472,6 +472,21 @@ def test_a_session_ended_during_a_move_and_begun_again_is_not_told_moving(store)
     assert store.begin_turn("a").handle.engine_id == "d-2"
 
 
+def test_a_session_stays_moving_when_another_of_its_leases_expires(store, clock):
+    store.put(conv("a", range(10), engine="d-0"))
+    first = store.begin_turn("a")
+    stale = store.begin_turn("a")  # told `claimed`; its client never ends it
+    assert stale.miss_reason == "claimed"
+    store.end_turn(first.lease_id, TurnOutcome.PULLED, conv("a", range(14), engine="d-0"))
+    clock.advance(10)
+    claim = store.begin_move("a", "d-0")
+    assert claim is not None
+    clock.advance(45)  # past the stale lease's deadline, not the move's
+    turn = store.begin_turn("a")
+    assert store.counts["lease_expired"] == 1
+    assert turn.handle is None and turn.miss_reason == "moving", turn
+
+
 def test_a_move_claims_only_a_handle_stored_on_the_draining_engine(store, clock):
     store.put(conv("a", range(10), engine="d-1"))
     assert store.begin_move("a", "d-0") is None
