@@ -22,7 +22,6 @@ fails the build on a Ray whose Serve lacks the API (checked, not assumed).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from app.config import AutoscalingRoleConfig
@@ -33,38 +32,22 @@ KV_IN_USE = "kv_in_use"
 QUEUED_TOKENS = "queued_tokens"
 
 
-def _reported(ctx: Any, metric: str) -> Mapping[Any, float]:
-    """The metric's per-replica values, averaged by Serve over the look-back window."""
-    return (ctx.aggregated_metrics or {}).get(metric) or {}
+class PoolTotalPolicy:
+    """Replicas for the pool's total of one per-replica metric, `target` a replica: decode
+    on `kv_in_use` (blocks in use, in replicas' worth), prefill on `queued_tokens`. Serve
+    instantiates it once per deployment with `policy_kwargs`."""
 
-
-class DecodeKVPolicy:
-    """Decode replicas for a pool KV share: the blocks in use across the pool (in replicas'
-    worth) over `target`. Serve instantiates it once with `policy_kwargs`."""
-
-    def __init__(self, target: float):
+    def __init__(self, metric: str, target: float):
+        self.metric = metric
         self.target = target
 
     def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
-        reported = _reported(ctx, KV_IN_USE)
+        # Per replica, averaged by Serve over the look-back window.
+        reported = (ctx.aggregated_metrics or {}).get(self.metric) or {}
         if not reported:  # nothing reported yet: stay
             return ctx.target_num_replicas, {}
-        in_use = sum(reported.values())
-        return in_use / self.target, {"kv_in_use": round(in_use, 4)}
-
-
-class PrefillTokensPolicy:
-    """Prefill replicas for the pool's new prompt tokens in flight, `target` a replica."""
-
-    def __init__(self, target: int):
-        self.target = target
-
-    def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
-        reported = _reported(ctx, QUEUED_TOKENS)
-        if not reported:
-            return ctx.target_num_replicas, {}
-        queued = sum(reported.values())
-        return queued / self.target, {"queued_tokens": round(queued)}
+        total = sum(reported.values())
+        return total / self.target, {self.metric: round(total, 4)}
 
 
 def check_serve_autoscaling() -> None:
@@ -93,15 +76,12 @@ def serve_autoscaling_config(role: str, cfg: AutoscalingRoleConfig, initial_repl
     check_serve_autoscaling()
     from ray.serve.config import AutoscalingPolicy
 
-    if role == "decode":
-        policy = AutoscalingPolicy(
-            policy_function="app.autoscaling:DecodeKVPolicy", policy_kwargs={"target": cfg.target_kv_in_use}
-        )
-    else:
-        policy = AutoscalingPolicy(
-            policy_function="app.autoscaling:PrefillTokensPolicy",
-            policy_kwargs={"target": cfg.target_queued_tokens},
-        )
+    metric, target = (
+        (KV_IN_USE, cfg.target_kv_in_use) if role == "decode" else (QUEUED_TOKENS, cfg.target_queued_tokens)
+    )
+    policy = AutoscalingPolicy(
+        policy_function="app.autoscaling:PoolTotalPolicy", policy_kwargs={"metric": metric, "target": target}
+    )
     return {
         "min_replicas": cfg.min_replicas,
         "max_replicas": cfg.max_replicas,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from app.autoscaling import KV_IN_USE, QUEUED_TOKENS, DecodeKVPolicy, PrefillTokensPolicy
+from app.autoscaling import KV_IN_USE, QUEUED_TOKENS, PoolTotalPolicy
 from app.config import AppConfig
 
 
@@ -30,19 +30,20 @@ def ctx(metric: str | None, values: list[float], current: int = 2):
     ],
 )
 def test_decode_keeps_the_pools_kv_in_use_at_the_target(in_use, replicas):
-    desired, state = DecodeKVPolicy(target=0.7)(ctx(KV_IN_USE, in_use, current=len(in_use)))
+    desired, state = PoolTotalPolicy(KV_IN_USE, target=0.7)(ctx(KV_IN_USE, in_use, current=len(in_use)))
     assert math.ceil(round(desired, 6)) == replicas
     assert state["kv_in_use"] == pytest.approx(sum(in_use))
 
 
 def test_a_pool_that_reported_nothing_stays_as_it_is():
-    assert DecodeKVPolicy(target=0.7)(ctx(None, [], current=3)) == (3, {})
-    assert PrefillTokensPolicy(target=1000)(ctx(None, [], current=2)) == (2, {})
+    assert PoolTotalPolicy(KV_IN_USE, target=0.7)(ctx(None, [], current=3)) == (3, {})
+    assert PoolTotalPolicy(QUEUED_TOKENS, target=1000)(ctx(None, [], current=2)) == (2, {})
 
 
 @pytest.mark.parametrize(("queued", "replicas"), [([5000.0], 3), ([1000.0, 500.0], 1), ([0.0, 0.0], 0)])
 def test_prefill_keeps_the_tokens_in_flight_per_replica_at_the_target(queued, replicas):
-    desired, state = PrefillTokensPolicy(target=2048)(ctx(QUEUED_TOKENS, queued, current=len(queued)))
+    policy = PoolTotalPolicy(QUEUED_TOKENS, target=2048)
+    desired, state = policy(ctx(QUEUED_TOKENS, queued, current=len(queued)))
     assert math.ceil(desired) == replicas
     assert state["queued_tokens"] == round(sum(queued))
 
@@ -73,10 +74,11 @@ def test_an_autoscaled_role_gets_serves_config_with_the_apps_policy(tmp_path):
     graph = build(AppConfig.model_validate(tree))
     decode = _options(graph, "DecodeServer")._deployment_config.autoscaling_config
     assert (decode.min_replicas, decode.initial_replicas, decode.max_replicas) == (1, 2, 3)
-    assert decode.policy.policy_function == "app.autoscaling:DecodeKVPolicy"
-    assert decode.policy.policy_kwargs == {"target": 0.6}
+    assert decode.policy.policy_function == "app.autoscaling:PoolTotalPolicy"
+    assert decode.policy.policy_kwargs == {"metric": "kv_in_use", "target": 0.6}
     prefill = _options(graph, "PrefillServer")._deployment_config.autoscaling_config
-    assert prefill.policy.policy_kwargs == {"target": 4096} and prefill.upscale_delay_s == 1
+    assert prefill.policy.policy_kwargs == {"metric": "queued_tokens", "target": 4096}
+    assert prefill.upscale_delay_s == 1
     # The bounds and targets are options, not constructor arguments: changing them
     # restarts nothing.
     assert _options(graph, "DecodeServer").init_args[0].decode.autoscaling is None
