@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -26,16 +25,13 @@ from typing import Any
 from bench.client import TurnRecord, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
 from bench.runner import replica_ids
+from bench.stats import mean
 from bench.workload import Workload
 
 DOWN_AT = 4
 """The last turn before the downscale."""
 RESUME_SPACING_S = 0.5
 """After the downscale the held sessions resume this far apart, in session order."""
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -142,9 +138,9 @@ def summarize(records: list[TurnRecord], removed: set[str]) -> dict[str, Any]:
         found = (by.get((s, t)) for s in group for t in turns)
         return [r.ttft_s for r in found if r is not None and r.ok and r.ttft_s is not None]
 
-    steady = _mean(ttfts(affected, range(DOWN_AT - 1, DOWN_AT + 1)))
-    after = _mean(ttfts(affected, range(nxt, nxt + 1)))
-    others_after = _mean(ttfts(others, range(nxt, nxt + 1)))
+    steady = mean(ttfts(affected, range(DOWN_AT - 1, DOWN_AT + 1)))
+    after = mean(ttfts(affected, range(nxt, nxt + 1)))
+    others_after = mean(ttfts(others, range(nxt, nxt + 1)))
     next_turns = [by[(s, nxt)] for s in affected if (s, nxt) in by]
     return {
         "errors": sum(1 for r in records if not r.ok),

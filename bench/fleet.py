@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +27,7 @@ from typing import Any
 
 from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
+from bench.stats import nearest_rank
 from bench.traces import to_workload
 from bench.workload import TokenCounter, Workload
 
@@ -52,20 +52,12 @@ class SLO:
     itl_p99_s: float = 0.05
 
 
-def _quantile(values: list[float], q: float) -> float | None:
-    """The nearest-rank quantile (p90 of 10 values: the 9th smallest)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str, Any]:
     """One level's figures and whether it meets `slo`."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [gap for r in ok for gap in r.itl_s]
-    ttft_p90, itl_p99 = _quantile(ttfts, 0.9), _quantile(itls, 0.99)
+    ttft_p90, itl_p99 = nearest_rank(ttfts, 0.9), nearest_rank(itls, 0.99)
     errors = len(records) - len(ok)
     meets = (
         errors == 0
@@ -78,7 +70,7 @@ def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str,
         "errors": errors,
         "wall_s": round(wall_s, 2),
         "turns_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
-        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p50_s": nearest_rank(ttfts, 0.5),
         "ttft_p90_s": ttft_p90,
         "itl_p99_s": itl_p99,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
@@ -105,14 +97,14 @@ def buckets(records: list[TurnRecord], long_tools: set[tuple[int, int]]) -> dict
         name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
         out[name] = {
             "turns": len(group),
-            "ttft_p50_s": _quantile(group, 0.5),
-            "ttft_p90_s": _quantile(group, 0.9),
+            "ttft_p50_s": nearest_rank(group, 0.5),
+            "ttft_p90_s": nearest_rank(group, 0.9),
         }
     long = [ttft for r, ttft in ok if (r.session, r.turn) in long_tools]
     out["long_tool"] = {
         "turns": len(long),
-        "ttft_p50_s": _quantile(long, 0.5),
-        "ttft_p90_s": _quantile(long, 0.9),
+        "ttft_p50_s": nearest_rank(long, 0.5),
+        "ttft_p90_s": nearest_rank(long, 0.9),
     }
     return out
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.apis import Api
 from bench.runner import ModeRun
+from bench.stats import mean
 
 RATIOS = (("oneway", "bidir"), ("bidir", "single"))
 API_NOTES = {
@@ -38,11 +39,6 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _mean(values: Iterable[float]) -> float | None:
-    xs = list(values)
-    return sum(xs) / len(xs) if xs else None
 
 
 def _sum(values: Iterable[int | None]) -> int:
@@ -74,14 +70,14 @@ def turn_stats(records: list) -> dict[str, Any]:
         "errors": len(records) - len(ok),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
-        "ttft_mean_s": _mean(ttft),
+        "ttft_mean_s": mean(ttft),
         "ttft_text_p50_s": percentile([r.ttft_text_s for r in ok if r.ttft_text_s is not None], 50),
-        "ttft_text_mean_s": _mean(r.ttft_text_s for r in ok if r.ttft_text_s is not None),
-        "itl_mean_s": _mean(itl),
-        "tpot_mean_s": _mean(tpot),
-        "e2e_mean_s": _mean(r.e2e_s for r in ok),
-        "output_tok_s": _mean(rates),
-        "prompt_tokens_mean": _mean(r.prompt_tokens for r in ok if r.prompt_tokens is not None),
+        "ttft_text_mean_s": mean(r.ttft_text_s for r in ok if r.ttft_text_s is not None),
+        "itl_mean_s": mean(itl),
+        "tpot_mean_s": mean(tpot),
+        "e2e_mean_s": mean(r.e2e_s for r in ok),
+        "output_tok_s": mean(rates),
+        "prompt_tokens_mean": mean(r.prompt_tokens for r in ok if r.prompt_tokens is not None),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "computed_tokens": prompt - cached,
@@ -89,8 +85,8 @@ def turn_stats(records: list) -> dict[str, Any]:
         "completion_tokens": _sum(r.completion_tokens for r in ok),
         "miss_reasons": sorted({r.miss_reason for r in ok if r.miss_reason}),
         # The app's own breakdown (mean seconds from the turn's start at the ingress).
-        "app_prefill_done_mean_s": _mean(_timings(ok, "prefill_s")),
-        "app_first_token_mean_s": _mean(_timings(ok, "first_token_s")),
+        "app_prefill_done_mean_s": mean(_timings(ok, "prefill_s")),
+        "app_first_token_mean_s": mean(_timings(ok, "first_token_s")),
         "hops_mean_s": _hops(ok),
     }
 
@@ -103,7 +99,7 @@ def _hops(records: list) -> dict[str, float | None]:
     for r in records:
         for hop, seconds in turn_hops(r.timings or {}).items():
             per_hop.setdefault(hop, []).append(seconds)
-    return {hop: _mean(values) for hop, values in per_hop.items()}
+    return {hop: mean(values) for hop, values in per_hop.items()}
 
 
 def summarize(run: ModeRun, turns: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.stats import nearest_rank
 from bench.workload import (
     _NAMES,
     SessionPlan,
@@ -96,27 +97,19 @@ class Trace:
                 history += t.tokens + t.answer_tokens
                 output += t.answer_tokens
         starts = sorted(s.start_s for s in self.sessions)
+        pauses = [t.pause_s for s in self.sessions for t in s.turns[1:]]
         span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
         return {
             "sessions": len(self.sessions),
             "subagents": sum(1 for s in self.sessions if s.parent),
-            "turns_median": _median(turns),
-            "tool_tokens_median": _median(tools) if tools else None,
-            "tool_tokens_p99": _quantile(tools, 0.99) if tools else None,
+            "turns_median": nearest_rank(turns, 0.5),
+            "tool_tokens_median": nearest_rank(tools, 0.5),
+            "tool_tokens_p99": nearest_rank(tools, 0.99),
             "input_output_ratio": prompt / output if output else None,
             "cacheable_share": cached / prompt if prompt else None,
             "arrival_rate_per_s": (len(starts) - 1) / span if span else None,
-            "pause_median_s": _median([t.pause_s for s in self.sessions for t in s.turns[1:]] or [0.0]),
+            "pause_median_s": nearest_rank(pauses or [0.0], 0.5),
         }
-
-
-def _median(values: list) -> float:
-    return _quantile(values, 0.5)
-
-
-def _quantile(values: list, q: float) -> float:
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
 @dataclass(frozen=True)
