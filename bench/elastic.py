@@ -25,17 +25,13 @@ from typing import Any
 from bench.client import TurnRecord, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
 from bench.runner import replica_ids
-from bench.stats import mean
+from bench.stats import mean, ratio
 from bench.workload import Workload
 
 DOWN_AT = 4
 """The last turn before the downscale."""
 RESUME_SPACING_S = 0.5
 """After the downscale the held sessions resume this far apart, in session order."""
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
 
 
 def app_config(profile: Profile, model_path: str, app: str, migrate: bool, decode_replicas: int):
@@ -148,9 +144,9 @@ def summarize(records: list[TurnRecord], removed: set[str]) -> dict[str, Any]:
         "affected_steady_ttft_s": steady,
         "affected_next_ttft_s": after,
         "unaffected_next_ttft_s": others_after,
-        "next_vs_steady": _ratio(after, steady),
-        "next_vs_unaffected": _ratio(after, others_after),
-        "affected_next_cached_share": _ratio(
+        "next_vs_steady": ratio(after, steady),
+        "next_vs_unaffected": ratio(after, others_after),
+        "affected_next_cached_share": ratio(
             sum(r.cached_tokens or 0 for r in next_turns), sum(r.prompt_tokens or 0 for r in next_turns)
         ),
         "affected_next_miss_reasons": sorted({r.miss_reason for r in next_turns if r.miss_reason}),

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
 from bench.profiles import Profile
-from bench.stats import nearest_rank
+from bench.stats import nearest_rank, ratio
 from bench.traces import to_workload
 from bench.workload import TokenCounter, Workload
 
@@ -196,8 +196,8 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
             if run is None:
                 continue
             g_b, g_o = run_b["goodput"], run["goodput"]
-            out[f"goodput_{mine}_over_{other}"] = (
-                round(g_b["turns_per_s"] / g_o["turns_per_s"], 3) if g_b and g_o else None
+            out[f"goodput_{mine}_over_{other}"] = ratio(
+                g_b and g_b["turns_per_s"], g_o and g_o["turns_per_s"]
             )
             both = {lv["agents"] for lv in run_b["levels"]} & {lv["agents"] for lv in run["levels"]}
             if not both:
@@ -205,13 +205,9 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
             common = max(both)
             b = next(lv for lv in run_b["levels"] if lv["agents"] == common)
             o = next(lv for lv in run["levels"] if lv["agents"] == common)
-            out[f"itl_p99_{mine}_over_{other}_at_{common}"] = (
-                round(b["itl_p99_s"] / o["itl_p99_s"], 3) if b["itl_p99_s"] and o["itl_p99_s"] else None
-            )
+            out[f"itl_p99_{mine}_over_{other}_at_{common}"] = ratio(b["itl_p99_s"], o["itl_p99_s"])
             out[f"ttft_p50_{mine}_over_{other}_by_bucket_at_{common}"] = {
-                name: round(v["ttft_p50_s"] / o["buckets"][name]["ttft_p50_s"], 3)
-                if v["ttft_p50_s"] and o["buckets"][name]["ttft_p50_s"]
-                else None
+                name: ratio(v["ttft_p50_s"], o["buckets"][name]["ttft_p50_s"])
                 for name, v in b["buckets"].items()
             }
     return out
