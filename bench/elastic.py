@@ -61,6 +61,18 @@ def _wait_decode_replicas(app: str, count: int, within_s: float = 300.0) -> None
         time.sleep(0.5)
 
 
+def _serving(url: str, app: str, decode_replicas: int, warmup: Workload | None) -> tuple[str, set[str]]:
+    """Once the app answers with its decode replicas running: the model it serves and
+    those replicas' ids, after the warm-up sessions (if any) ran."""
+    asyncio.run(wait_healthy(url, 300))
+    _wait_decode_replicas(app, decode_replicas)
+    replicas = _decode_replicas(app)
+    model = asyncio.run(served_model(url))
+    if warmup is not None:
+        asyncio.run(run_workload(url, model, warmup, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
+    return model, replicas
+
+
 def run_one(
     cluster,
     profile: Profile,
@@ -80,12 +92,7 @@ def run_one(
     serve.run(build(app_config(profile, model_path, app, migrate, 2)), name=app, route_prefix="/")
     url = cluster.url
     try:
-        asyncio.run(wait_healthy(url, 300))
-        _wait_decode_replicas(app, 2)
-        model = asyncio.run(served_model(url))
-        if warmup is not None:
-            asyncio.run(run_workload(url, model, warmup, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
-        before = _decode_replicas(app)
+        model, before = _serving(url, app, 2, warmup)
         arrived = 0
         released = asyncio.Event()
         downscale: dict[str, float] = {}
@@ -285,12 +292,7 @@ def autoscale_main(
         url = cluster.url
         serve.run(build(autoscale_config(prof, model_path, app)), name=app, route_prefix="/")
         try:
-            asyncio.run(wait_healthy(url, 300))
-            _wait_decode_replicas(app, 1)
-            first = _decode_replicas(app)
-            model = asyncio.run(served_model(url))
-            if warmup is not None:
-                asyncio.run(run_workload(url, model, warmup, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
+            model, first = _serving(url, app, 1, warmup)
             mark("deployed: 1 decode replica (autoscaling 1-2 on KV in use, target 0.15)")
             arrived = {SCALED_AT: 0, IDLE_AT: 0}
             released = {SCALED_AT: asyncio.Event(), IDLE_AT: asyncio.Event()}
