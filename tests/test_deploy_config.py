@@ -30,6 +30,7 @@ P5EN = "p5en.48xlarge"
 P5EN_EFA_CARDS = 16
 P5EN_GPUS = 8
 ROLE_POOL = {"prefill": "prefill_pool", "decode": "decode_pool"}
+ROLE_DEPLOYMENT = {"prefill": "PrefillServer", "decode": "DecodeServer"}
 PROJECT_DIR = "~/kvturn"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 UCX_TLS_REQUIRED = {"srd", "cuda_copy", "cuda_ipc"}
@@ -163,12 +164,26 @@ def efa_problems(cluster: dict[str, Any], node_type: str) -> list[str]:
     return problems
 
 
-def role_problems(args: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
-    """GPU fields of serve.yaml's prefill/decode against cluster.yaml's node types."""
+def replica_counts(entry: dict[str, Any]) -> dict[str, int]:
+    """Each engine role's replica count in a Serve config's application entry: its
+    `deployments:` override, else the count in `args`."""
+    from app.config import AppConfig
+
+    cfg = AppConfig.from_args(entry["args"])
+    overrides = {d["name"]: d.get("num_replicas") for d in entry.get("deployments") or ()}
+    return {
+        role: overrides.get(ROLE_DEPLOYMENT[role]) or getattr(cfg, role).num_replicas for role in ROLE_POOL
+    }
+
+
+def role_problems(entry: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
+    """GPU fields and replica counts of serve.yaml's prefill/decode against cluster.yaml's
+    node types."""
     from app.config import AppConfig
 
     problems: list[str] = []
-    cfg = AppConfig.from_args(args)
+    cfg = AppConfig.from_args(entry["args"])
+    counts = replica_counts(entry)
     node_types = cluster["available_node_types"]
     for role, pool in ROLE_POOL.items():
         spec = getattr(cfg, role)
@@ -192,9 +207,9 @@ def role_problems(args: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
         if not spec.num_gpus or gpus % spec.num_gpus:
             problems.append(f"{role}: {spec.num_gpus} GPUs per replica do not pack onto {gpus}-GPU nodes")
         capacity = host.get("max_workers", 0) * units
-        if spec.num_replicas * spec.resources[pool] > capacity:
+        if counts[role] * spec.resources[pool] > capacity:
             problems.append(
-                f"{role}: {spec.num_replicas} replicas need {spec.num_replicas * spec.resources[pool]} "
+                f"{role}: {counts[role]} replicas need {counts[role] * spec.resources[pool]} "
                 f"{pool} units, {hosts[0]} offers at most {capacity}"
             )
     return problems
@@ -439,7 +454,20 @@ def test_serve_args_parse_as_app_config(app_entry):
 
 
 def test_serve_gpu_fields_match_cluster_pools(app_entry, cluster):
-    assert role_problems(app_entry["args"], cluster) == []
+    assert role_problems(app_entry, cluster) == []
+
+
+def test_serve_yaml_sets_replica_counts_outside_args(app_entry):
+    """`serve deploy` versions every deployment by a hash of the `args`: counts there
+    would make a scale a restart of the fleet. They are `deployments:` overrides, named
+    as the app names its deployments."""
+    from app.servers import DecodeServer, PrefillServer
+
+    overrides = {d["name"]: d for d in app_entry["deployments"]}
+    assert set(overrides) == {PrefillServer.name, DecodeServer.name} == set(ROLE_DEPLOYMENT.values())
+    assert all(overrides[name]["num_replicas"] >= 1 for name in overrides)
+    for role in ROLE_POOL:
+        assert "num_replicas" not in app_entry["args"][role], role
 
 
 @pytest.mark.parametrize(
@@ -448,7 +476,8 @@ def test_serve_gpu_fields_match_cluster_pools(app_entry, cluster):
         ({"prefill.num_gpus": 4}, "num_gpus 4.0 != tensor_parallel_size 2"),
         ({"decode.resources": {"prefill_pool": 2}}, "must name exactly 'decode_pool'"),
         ({"decode.resources": {"decode_pool": 1}}, "asks 1.0 decode_pool units for 2.0 GPUs"),
-        ({"prefill.num_replicas": 9}, "offers at most 16"),
+        ({"PrefillServer.num_replicas": 9}, "offers at most 16"),
+        ({"decode.num_replicas": 9, "DecodeServer.num_replicas": None}, "offers at most 16"),
         (
             {
                 "prefill.tensor_parallel_size": 3,
@@ -463,11 +492,17 @@ def test_serve_gpu_fields_match_cluster_pools(app_entry, cluster):
     ],
 )
 def test_role_rules_catch_mistakes(app_entry, cluster, change, expected):
-    args = copy.deepcopy(app_entry["args"])
+    entry = copy.deepcopy(app_entry)
+    deployments = {d["name"]: d for d in entry["deployments"]}
     for key, value in change.items():
-        role, field = key.split(".")
-        args[role][field] = value
-    problems = role_problems(args, cluster)
+        section, field = key.split(".")
+        if section in deployments:  # a `deployments:` override (None: left out)
+            deployments[section].pop(field)
+            if value is not None:
+                deployments[section][field] = value
+        else:
+            entry["args"][section][field] = value
+    problems = role_problems(entry, cluster)
     assert any(expected in p for p in problems), problems
 
 
