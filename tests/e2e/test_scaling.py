@@ -206,21 +206,38 @@ def test_a_new_replica_takes_the_oldest_conversations_of_a_nearly_full_one(apps)
         serve.delete(app)
 
 
+def _deploy_config(app: str, args: dict, deployments: list[dict], within_s: float = 300.0) -> None:
+    """Deploy an app as `serve deploy` does (a Serve config, through the controller's
+    declarative API: every deployment's version is then Serve's hash of the `args`), and
+    wait until it runs."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    entry = {"name": app, "route_prefix": f"/{app}", "import_path": "app:graph", "args": args}
+    config = ServeDeploySchema.model_validate({"applications": [{**entry, "deployments": deployments}]})
+    _get_global_client().deploy_apps(config)
+    deadline = time.monotonic() + within_s
+    while (status := serve.status().applications.get(app)) is None or status.status != "RUNNING":
+        assert time.monotonic() < deadline, status
+        time.sleep(1)
+
+
 def test_fewer_prefill_replicas_under_load_fail_no_turn(apps):
-    """A prefill downscale while agents keep talking: the app is redeployed with one
-    prefill replica fewer while three clients send turns back to back. Serve stops routing
-    to the removed replica, lets its legs in flight finish, and the replica ends its engine
-    once the decode engines have read the KV of its last legs: no turn fails, no leg falls
-    back, every answer has the tokens a plain engine computes, and the decode replica, the
-    surviving prefill replica and the other roles keep running."""
+    """A prefill downscale while agents keep talking, through a Serve config as an
+    operator's `serve deploy` applies it: the same `args`, and a `deployments:` override of
+    the prefill replicas' count from 2 to 1, while three clients send turns back to back.
+    Serve stops routing to the removed replica, lets its legs in flight finish, and the
+    replica ends its engine once the decode engines have read the KV of its last legs: no
+    turn fails, no leg falls back, every answer has the tokens a plain engine computes,
+    and the decode replica, the surviving prefill replica and the other roles keep
+    running (the override changed no deployment's version)."""
     from ray import serve
 
-    from app.builder import build
-
     app = "pscale"
-    overrides = {"prefill.num_replicas": 2, "decode.num_replicas": 1}
-    cfg = pd_config(app_name=app, **overrides)
-    serve.run(build(cfg), name=app, route_prefix="/" + app)
+    cfg = pd_config(app_name=app, **{"decode.num_replicas": 1})
+    args = cfg.model_dump(mode="json", exclude_defaults=True)
+    _deploy_config(app, args, [{"name": "PrefillServer", "num_replicas": 2}])
     try:
         url = apps["url"] + "/" + app
         counts = {"Ingress": 1, "PrefillServer": 2, "DecodeServer": 1, "SessionStore": 1}
@@ -254,11 +271,7 @@ def test_fewer_prefill_replicas_under_load_fail_no_turn(apps):
         now = _computed_per_replica("PrefillServer", before["PrefillServer"], app)
         served = {r: now[r] - n for r, n in computed.items()}
         redeployed_at = len(replies)
-        serve.run(
-            build(pd_config(app_name=app, **{**overrides, "prefill.num_replicas": 1})),
-            name=app,
-            route_prefix="/" + app,
-        )
+        _deploy_config(app, args, [{"name": "PrefillServer", "num_replicas": 1}])
         after = {d: _replicas(d, 1, app=app) for d in counts}
         time.sleep(3)  # and a few turns on the one left
         stop.set()
