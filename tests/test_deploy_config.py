@@ -164,29 +164,18 @@ def efa_problems(cluster: dict[str, Any], node_type: str) -> list[str]:
     return problems
 
 
-def replica_counts(entry: dict[str, Any]) -> dict[str, int]:
-    """Each engine role's replica count in a Serve config's application entry: its
-    `deployments:` override, else the count in `args`."""
-    from app.config import AppConfig
-
-    cfg = AppConfig.from_args(entry["args"])
-    overrides = {d["name"]: d.get("num_replicas") for d in entry.get("deployments") or ()}
-    return {
-        role: overrides.get(ROLE_DEPLOYMENT[role]) or getattr(cfg, role).num_replicas for role in ROLE_POOL
-    }
-
-
 def role_problems(entry: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
     """GPU fields and replica counts of serve.yaml's prefill/decode against cluster.yaml's
-    node types."""
+    node types. A role's count is its `deployments:` override, else the one in `args`."""
     from app.config import AppConfig
 
     problems: list[str] = []
     cfg = AppConfig.from_args(entry["args"])
-    counts = replica_counts(entry)
+    overrides = {d["name"]: d.get("num_replicas") for d in entry.get("deployments") or ()}
     node_types = cluster["available_node_types"]
     for role, pool in ROLE_POOL.items():
         spec = getattr(cfg, role)
+        count = overrides.get(ROLE_DEPLOYMENT[role]) or spec.num_replicas
         if spec.num_gpus != spec.tensor_parallel_size:
             problems.append(
                 f"{role}: num_gpus {spec.num_gpus} != tensor_parallel_size {spec.tensor_parallel_size}"
@@ -207,9 +196,9 @@ def role_problems(entry: dict[str, Any], cluster: dict[str, Any]) -> list[str]:
         if not spec.num_gpus or gpus % spec.num_gpus:
             problems.append(f"{role}: {spec.num_gpus} GPUs per replica do not pack onto {gpus}-GPU nodes")
         capacity = host.get("max_workers", 0) * units
-        if counts[role] * spec.resources[pool] > capacity:
+        if count * spec.resources[pool] > capacity:
             problems.append(
-                f"{role}: {counts[role]} replicas need {counts[role] * spec.resources[pool]} "
+                f"{role}: {count} replicas need {count * spec.resources[pool]} "
                 f"{pool} units, {hosts[0]} offers at most {capacity}"
             )
     return problems
