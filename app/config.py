@@ -318,6 +318,16 @@ class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="Ingress (HTTP/handle) replicas.")
     num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica.")
     max_ongoing_requests: int = Field(256, ge=1)
+    max_continuations: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description=(
+            "Times one streamed answer goes on on another decode replica after the replica streaming "
+            "it failed (the survivor computes the prompt plus the tokens already sent); past it the "
+            "stream ends with an error event. 0: a failure after the first token always ends the stream."
+        ),
+    )
 
 
 class TenantPolicy(_Strict):

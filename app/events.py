@@ -41,6 +41,34 @@ class MissReason(enum.StrEnum):
         return TurnCount(f"miss_{self.value}")
 
 
+class Continuation(enum.StrEnum):
+    """How a streamed answer goes on after its decode replica failed mid-stream
+    (`app.legs.continuation_of`)."""
+
+    RESUMED = "resumed"
+    """The survivor computes the prompt plus the tokens sent and generates the rest."""
+    REPLAYED_GRAMMAR = "replayed_grammar"
+    """Structured output: vLLM starts a request's grammar at its first generated token and
+    never feeds it the prompt, so the survivor generates the answer again from the start
+    and the tokens the client has are dropped (they must come out the same)."""
+    REPLAYED_OUTPUT = "replayed_output"
+    """Settings that read the answer so far (stop strings, presence/frequency penalties,
+    bad words, a thinking budget, seeded sampling): replayed as for a grammar."""
+
+    @property
+    def counter(self) -> TurnCount:
+        return TurnCount(f"decode_continued_{self.value}")
+
+    def of_replica(self, replica: str | None) -> str:
+        """The counter key of one continuation away from `replica` (per replica, exported
+        as `kvturn_decode_continuations{how,replica}`; `/v1/kv/stats` shows it in `turns`)."""
+        return f"{CONTINUED_FROM}{self.value}/{replica or 'unknown'}"
+
+
+CONTINUED_FROM = "decode_continued_from/"
+"""Prefix of the per-replica continuation keys of `Turns.counts` (`Continuation.of_replica`)."""
+
+
 class TurnCount(enum.StrEnum):
     # Turns and tokens.
     TURNS = "turns"
@@ -87,6 +115,16 @@ class TurnCount(enum.StrEnum):
     DECODE_RESTARTED = "decode_restarted"
     DECODE_FAILED = "decode_failed"
     DECODE_NO_HANDLE = "decode_no_handle"
+    # A streamed answer whose decode replica failed after output reached the client
+    # (`app.legs.Legs.decode`): continued on another replica, by how (`Continuation`).
+    DECODE_CONTINUED = "decode_continued"
+    DECODE_CONTINUED_RESUMED = "decode_continued_resumed"
+    DECODE_CONTINUED_REPLAYED_GRAMMAR = "decode_continued_replayed_grammar"
+    DECODE_CONTINUED_REPLAYED_OUTPUT = "decode_continued_replayed_output"
+    DECODE_CONTINUED_TOKENS = "decode_continued_tokens"  # answer tokens computed again as prompt
+    DECODE_REPLAYED_TOKENS = "decode_replayed_tokens"  # answer tokens generated again and dropped
+    DECODE_CONTINUATION_DIVERGED = "decode_continuation_diverged"  # a replay gave other tokens
+    DECODE_CONTINUATIONS_EXHAUSTED = "decode_continuations_exhausted"  # past `ingress.max_continuations`
     # Decode memory (`app.memory`).
     CAPACITY_UNKNOWN = "capacity_unknown"
     CAPACITY_SYNCED = "capacity_synced"

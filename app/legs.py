@@ -1,8 +1,10 @@
 """The two engine legs of a turn, with their fallbacks: the prefill leg (pull the history
 the claimed handle names, compute the rest, keep the KV for decode; a late or failed pull
 recomputes) and the decode leg (stream the answer; a replica that fails before the client
-saw output is replaced, up to `DECODE_ATTEMPTS`). Called by `Turns.run` once per turn each
-(the prefill leg only on the P/D path); every fallback is counted in the shared counters.
+saw output is replaced, up to `DECODE_ATTEMPTS`; one that fails mid-stream is replaced by
+one that continues the same answer, up to `ingress.max_continuations`). Called by
+`Turns.run` once per turn each (the prefill leg only on the P/D path); every fallback is
+counted in the shared counters.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from app.config import AppConfig
 from app.errors import APIError, DecodeFailed
-from app.events import TurnCount
+from app.events import Continuation, TurnCount
 from app.pacing import LegPace
 from app.turn_model import EngineClients, TurnInput
 from app.wire import EngineChunk, EngineRequest, Sampling
@@ -150,50 +153,204 @@ class Legs:
 
     async def decode(
         self, request: EngineRequest, can_restart: Callable[[], bool] = lambda: False
-    ) -> AsyncIterator[tuple[EngineChunk, str] | Restart]:
-        """Stream from decode, on up to `DECODE_ATTEMPTS` replicas.
+    ) -> AsyncIterator[tuple[EngineChunk, str] | Restart | Continued]:
+        """Stream from decode; a replica that fails is replaced.
 
-        A replica that fails before the client saw any output (`can_restart()`: before
-        the first delta of a streamed turn, at any point of one that does not stream)
-        is avoided and the turn goes to another replica, which computes the prompt
-        itself (`local_decode_params`: the prefill engine's blocks may already be gone
-        to the failed reader, and a second read of freed blocks would load wrong KV). A
-        `Restart` tells the caller to drop what the failed attempt produced. A replica
-        that fails after output reached the client, or on every attempt, ends the turn
-        with a 502 `APIError` (`decode_failed`); the session's next turn recomputes."""
+        Before the client saw any output (`can_restart()`: before the first delta of a
+        streamed turn, at any point of one that does not stream) the turn starts over on
+        another replica, up to `DECODE_ATTEMPTS` in all: a `Restart` tells the caller to
+        drop what the failed attempt produced. The new attempt computes the prompt itself
+        (`local_decode_params`: the prefill engine's blocks may already be gone to the
+        failed reader, and a second read of freed blocks would load wrong KV).
+
+        After output reached the client, the answer continues on another replica, up to
+        `ingress.max_continuations` times a turn: a `Continued` item, then chunks that go
+        on from the next token, never one the caller already has (`continuation_of`: the
+        prompt plus the tokens so far, computed there with the same settings and the
+        remaining `max_tokens`; or the answer generated again and the tokens already
+        sent dropped, where vLLM's state of the answer cannot be rebuilt from a prompt).
+
+        A replica that fails past those bounds, or a replay whose tokens differ from the
+        ones sent, ends the turn with a 502 `APIError` (`decode_failed`); the session's
+        next turn recomputes."""
         avoid: list[str] = []
-        attempt = request
-        for tries in range(1, DECODE_ATTEMPTS + 1):
-            produced, replica = False, attempt.preferred_replica
+        attempt, skip = request, _Skip()
+        tries, continuations = 1, 0
+        answer: list[int] = []  # tokens of this answer given to the caller, over all attempts
+        answer_chars = 0  # and their text's length
+        while True:
+            produced, finished, replica = False, False, attempt.preferred_replica
             try:
-                async for item in self._clients.decode(attempt):
-                    produced, replica = True, item[1]
-                    yield item
+                async for chunk, replica in self._clients.decode(attempt):
+                    produced = True
+                    trimmed = skip.trim(chunk)
+                    if trimmed is None:
+                        continue
+                    answer.extend(trimmed.token_ids)
+                    answer_chars += len(trimmed.text)
+                    finished = trimmed.finished
+                    yield trimmed, replica
                 return
-            except APIError:
+            except (APIError, Diverged) as exc:
+                if isinstance(exc, Diverged):
+                    self.counts[TurnCount.DECODE_CONTINUATION_DIVERGED] += 1
+                    self.counts[TurnCount.DECODE_FAILED] += 1
+                    logger.warning("decode %s: %s", attempt.request_id, exc)
+                    raise DecodeFailed(replica) from exc
                 raise
             except Exception as exc:
-                if not can_restart() or tries == DECODE_ATTEMPTS:
+                if finished:  # the answer was whole: only the stream's end was lost
+                    return
+                if replica and replica not in avoid:
+                    avoid.append(replica)
+                if can_restart() and tries < DECODE_ATTEMPTS:
+                    tries += 1
+                    self.counts[TurnCount.DECODE_RETRIED] += 1
+                    if produced:
+                        self.counts[TurnCount.DECODE_RESTARTED] += 1
+                    logger.warning(
+                        "decode %s failed on %s, computing the turn on another replica: %r",
+                        attempt.request_id,
+                        replica,
+                        exc,
+                    )
+                    yield Restart()
+                    answer, answer_chars, skip = [], 0, _Skip()
+                    attempt = self._another(request, f"{request.request_id}-retry{tries - 1}", avoid)
+                    await asyncio.sleep(DECODE_RETRY_PAUSE_S * (tries - 1))  # Serve learns of a dead replica
+                    continue
+                how = None if can_restart() else continuation_of(request.sampling, len(answer))
+                if how is None or continuations >= self._cfg.ingress.max_continuations:
+                    if how is not None:
+                        self.counts[TurnCount.DECODE_CONTINUATIONS_EXHAUSTED] += 1
                     self.counts[TurnCount.DECODE_FAILED] += 1
                     logger.warning("decode %s failed: %r", attempt.request_id, exc)
                     raise DecodeFailed(replica) from exc
-                self.counts[TurnCount.DECODE_RETRIED] += 1
-                if produced:
-                    self.counts[TurnCount.DECODE_RESTARTED] += 1
+                continuations += 1
+                self.counts[TurnCount.DECODE_CONTINUED] += 1
+                self.counts[how.counter] += 1
+                self.counts[how.of_replica(replica)] += 1
                 logger.warning(
-                    "decode %s failed on %s, computing the turn on another replica: %r",
+                    "decode %s failed on %s after %d tokens reached the client, continuing (%s) on "
+                    "another replica: %r",
                     attempt.request_id,
                     replica,
+                    len(answer),
+                    how,
                     exc,
                 )
-            if replica and replica not in avoid:
-                avoid.append(replica)
-            yield Restart()
-            attempt = dataclasses.replace(
-                request,
-                request_id=f"{request.request_id}-retry{tries}",
-                preferred_replica=None,
-                avoid_replicas=tuple(avoid),
-                kv_params=local_decode_params() if self._cfg.reuses_kv else None,
-            )
-            await asyncio.sleep(DECODE_RETRY_PAUSE_S * tries)  # Serve learns of a dead replica
+                yield Continued(replica, how)
+                attempt, skip = self._continuation(request, how, answer, answer_chars, continuations, avoid)
+                await asyncio.sleep(DECODE_RETRY_PAUSE_S * continuations)
+
+    def _another(self, request: EngineRequest, request_id: str, avoid: list[str], **changes) -> EngineRequest:
+        """`request` again, for another replica than those in `avoid`, computing its prompt there."""
+        return dataclasses.replace(
+            request,
+            request_id=request_id,
+            preferred_replica=None,
+            avoid_replicas=tuple(avoid),
+            kv_params=local_decode_params() if self._cfg.reuses_kv else None,
+            **changes,
+        )
+
+    def _continuation(
+        self,
+        request: EngineRequest,
+        how: Continuation,
+        answer: list[int],
+        answer_chars: int,
+        n: int,
+        avoid: list[str],
+    ) -> tuple[EngineRequest, _Skip]:
+        """The `n`-th continuation of `request`, whose caller has `answer` (and that many
+        characters of its text), and what of its output to drop."""
+        request_id = f"{request.request_id}-cont{n}"
+        if how is not Continuation.RESUMED:
+            self.counts[TurnCount.DECODE_REPLAYED_TOKENS] += len(answer)
+            return self._another(request, request_id, avoid), _Skip(tuple(answer), answer_chars)
+        self.counts[TurnCount.DECODE_CONTINUED_TOKENS] += len(answer)
+        resumed = self._another(
+            request,
+            request_id,
+            avoid,
+            prompt_token_ids=tuple(request.prompt_token_ids) + tuple(answer),
+            sampling=_rest_of(request.sampling, len(answer)),
+        )
+        return resumed, _Skip()
+
+
+@dataclass(frozen=True)
+class Continued:
+    """From `Legs.decode`: the replica failed after output reached the caller; what
+    follows goes on from the next token on another replica (nothing is dropped)."""
+
+    failed_replica: str | None
+    how: Continuation
+
+
+class Diverged(Exception):
+    """A replayed answer's tokens are not the ones the client already has (sampling
+    without a seed): it cannot continue."""
+
+
+class _Skip:
+    """What a replaying continuation drops of its output: the tokens the caller has
+    (which must come out the same) and as many characters of text."""
+
+    def __init__(self, tokens: tuple[int, ...] = (), chars: int = 0):
+        self._tokens = tokens
+        self._chars = chars
+        self._seen = 0
+
+    def trim(self, chunk: EngineChunk) -> EngineChunk | None:
+        """`chunk` less what the caller has; None when nothing of it is left to give."""
+        left = len(self._tokens) - self._seen
+        if left <= 0 and self._chars <= 0:
+            return chunk
+        n = min(left, len(chunk.token_ids))
+        if tuple(chunk.token_ids[:n]) != self._tokens[self._seen : self._seen + n]:
+            raise Diverged(f"the replay gave other tokens than the {len(self._tokens)} sent")
+        self._seen += n
+        cut = min(self._chars, len(chunk.text))
+        self._chars -= cut
+        if chunk.finished and self._seen < len(self._tokens):
+            raise Diverged(f"the replay ended after {self._seen} of the {len(self._tokens)} tokens sent")
+        if not chunk.finished and n == len(chunk.token_ids) and cut == len(chunk.text):
+            return None
+        logprobs = chunk.logprobs[n:] if chunk.logprobs is not None else None
+        return dataclasses.replace(
+            chunk, token_ids=tuple(chunk.token_ids[n:]), text=chunk.text[cut:], logprobs=logprobs
+        )
+
+
+_OUTPUT_STATE = ("stop", "bad_words", "thinking_token_budget", "repetition_detection", "watermarking")
+"""vLLM sampling settings that read the answer generated so far (not the prompt)."""
+
+
+def continuation_of(sampling: Sampling, sent: int) -> Continuation | None:
+    """How an answer of which `sent` tokens reached the client continues on another
+    replica; None when it cannot (nothing left to generate)."""
+    if sent >= sampling.max_tokens:
+        return None
+    p = sampling.params
+    if p is None:
+        replay = bool(sampling.stop) or (sampling.temperature > 0 and sampling.seed is not None)
+        return Continuation.REPLAYED_OUTPUT if replay else Continuation.RESUMED
+    if getattr(p, "structured_outputs", None) is not None:
+        return Continuation.REPLAYED_GRAMMAR
+    seeded = getattr(p, "temperature", 1.0) > 0 and getattr(p, "seed", None) is not None
+    penalised = bool(getattr(p, "presence_penalty", 0.0) or getattr(p, "frequency_penalty", 0.0))
+    if seeded or penalised or sampling.stop or any(getattr(p, name, None) for name in _OUTPUT_STATE):
+        return Continuation.REPLAYED_OUTPUT
+    return Continuation.RESUMED
+
+
+def _rest_of(sampling: Sampling, sent: int) -> Sampling:
+    """`sampling` for the rest of an answer of which `sent` tokens are in the prompt."""
+    params: Any = sampling.params
+    min_tokens: int = getattr(params, "min_tokens", 0) or 0
+    if min_tokens:
+        params = params.clone()
+        params.min_tokens = max(0, min_tokens - sent)
+    return dataclasses.replace(sampling, max_tokens=sampling.max_tokens - sent, params=params)

@@ -35,6 +35,8 @@ from typing import Any
 
 from ray.util import metrics as ray_metrics
 
+from app.events import CONTINUED_FROM
+
 logger = logging.getLogger("ray.serve")
 
 HOP_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0]
@@ -138,6 +140,12 @@ class TurnMetrics:
         self.pull_timeouts = ray_metrics.Counter(
             "kvturn_pull_timeouts", "Prefill legs aborted past their pull deadline and recomputed."
         )
+        self.continuations = ray_metrics.Counter(
+            "kvturn_decode_continuations",
+            "Streamed answers continued on another decode replica after theirs failed mid-stream, "
+            "by how (resumed, replayed_grammar, replayed_output) and the replica that failed.",
+            tag_keys=("how", "replica"),
+        )
         # Per tenant: the label is the tenant's namespace (a hash of its key), so the series
         # are bounded by the keys configured.
         self.tenant_turns = ray_metrics.Counter(
@@ -227,6 +235,10 @@ class TurnMetrics:
             if grown <= 0:
                 continue
             self._synced[event] = value
+            if event.startswith(CONTINUED_FROM):  # `app.events.Continuation.of_replica`
+                how, _, replica = event.removeprefix(CONTINUED_FROM).partition("/")
+                self.continuations.inc(grown, tags={"how": how, "replica": replica})
+                continue
             self.events.inc(grown, tags={"event": str(event)})
             if event == "pull_timeout":
                 self.pull_timeouts.inc(grown)

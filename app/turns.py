@@ -11,7 +11,8 @@ follows the flow, one step a call:
     route     `_decode_local` (`app.pacing`): the session's decode replica alone, or P/D
     prefill   `Legs.prefill` (`app.legs`): pull that KV from decode, compute the rest
     decode    `Legs.decode`: read back only what it lacks, stream (another replica if one
-              fails before the client saw output)
+              fails: from the start before the client saw output, else going on with the
+              same answer)
     store     `_conversation` + the store's `end_turn`: keep the decode engine's new handle
               with the exact token sequence, settle the old one
 
@@ -35,7 +36,7 @@ from typing import Literal
 from app.config import AppConfig, Mode
 from app.errors import APIError, DecodeFailed, RateLimited
 from app.events import MissReason, TurnCount
-from app.legs import Legs, Restart
+from app.legs import Continued, Legs, Restart
 from app.memory import DecodeMemory
 from app.pacing import LegPace, LocalLeg, decode_local_reason
 from app.turn_model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
@@ -107,7 +108,7 @@ class Turns:
             texts: list[str] = []
             held: list[Delta] = []  # a turn that does not stream: its deltas, until the end
             sent = False  # a delta reached the client: the answer can no longer start over
-            final, replica, recomputed = None, None, False
+            final, replica, recomputed, continued = None, None, False, False
             leg = None
             if local and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
@@ -125,6 +126,10 @@ class Turns:
                         texts.clear()
                         held.clear()
                         final, recomputed = None, True
+                        continue
+                    if isinstance(item, Continued):
+                        # Another replica goes on with the same answer: what was sent stays.
+                        continued = True
                         continue
                     chunk, replica = item
                     if "first_token_s" not in timings:
@@ -147,14 +152,15 @@ class Turns:
                         final = chunk
             finally:
                 if leg is not None:
-                    leg.end(len(prompt_ids) - final.num_cached_tokens if final is not None else None)
+                    computed = len(prompt_ids) - final.num_cached_tokens if final is not None else None
+                    leg.end(None if continued else computed)
             if final is None:
                 raise DecodeFailed(replica)
             for delta in held:
                 yield delta
-            if recomputed:
-                # The answer came from a replica that computed the prompt itself.
-                cached, pulled = final.num_cached_tokens, 0
+            if recomputed or continued:
+                # The answer came from (or ended on) a replica that computed the prompt itself.
+                cached, pulled = min(final.num_cached_tokens, len(prompt_ids)), 0
             elif local or not self._cfg.disaggregated:
                 cached = final.num_cached_tokens
                 if local:

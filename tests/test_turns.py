@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from app.config import AppConfig
-from app.legs import DECODE_ATTEMPTS
+from app.events import Continuation
+from app.legs import DECODE_ATTEMPTS, continuation_of
 from app.pacing import LegPace
 from app.protocol import APIError
 from app.turn_model import Delta, TurnInput, TurnResult
@@ -70,6 +71,9 @@ class FakeEngines:
         self.prefill_failures = 0  # the next this many prefill calls raise
         self.prefill_unreachable = False  # prefill calls wait forever (no live replica)
         self.fail_mid_stream = False
+        self.die_after: dict[str, int] = {}
+        """Replica -> tokens of an answer after which it dies (then it is dead to the router)."""
+        self.chunk_tokens: dict[str, int] = {}  # replica -> tokens per chunk (default 2)
         self.keeps_kv = keeps_kv
         self.eos = eos
         self.stop_string = stop_string
@@ -165,7 +169,8 @@ class FakeEngines:
             assert kv is None or kv == {"do_remote_prefill": False, "do_remote_decode": False}
             cached = self._local_cache_hit(replica, prompt)
         tokens = self.answer(len(prompt), request.sampling.max_tokens)
-        chunks = [tokens[i : i + 2] for i in range(0, len(tokens), 2)]
+        size = self.chunk_tokens.get(replica, 2)
+        chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
         generated: list[int] = []
         for i, part in enumerate(chunks):
             ids = tuple(t for t, _ in part)
@@ -174,6 +179,9 @@ class FakeEngines:
             last = i == len(chunks) - 1
             if self.fail_mid_stream and i == 1:
                 raise RuntimeError("decode engine died mid-stream")
+            if len(generated) > self.die_after.get(replica, len(tokens)):
+                self.dead.add(replica)
+                raise RuntimeError(f"{replica} died mid-stream")
             final_params = None
             # Only a request with transfer params keeps its blocks (the NixlConnector).
             if last and self.keeps_kv and kv is not None:
@@ -570,7 +578,7 @@ async def test_a_turn_waits_for_a_move_no_longer_than_drain_wait_s(model_dir):
 
 
 async def test_decode_failure_settles_the_claim_as_failed(model_dir):
-    rig = Rig(model_dir)
+    rig = Rig(model_dir, **{"ingress.max_continuations": 0})  # a stream cut is not continued
     text1, _, _ = await rig.turn(text=P1)
     rig.engines.fail_mid_stream = True
     events = rig.turns.run(rig.input(text=P1 + text1 + USER2))
@@ -662,7 +670,7 @@ async def test_decode_retried_without_preferred_replica(model_dir):
 
 
 async def test_streamed_decode_not_retried_after_output(model_dir):
-    rig = Rig(model_dir)
+    rig = Rig(model_dir, **{"ingress.max_continuations": 0})
     text1, _, _ = await rig.turn(text=P1)
     rig.engines.fail_mid_stream = True
     with pytest.raises(APIError) as err:
@@ -723,6 +731,185 @@ async def test_context_too_long_without_history(model_dir):
     assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)]
     assert rig.store.stats()["open_leases"] == 0
     assert not rig.engines.prefill_requests and not rig.engines.decode_requests
+
+
+class Params:
+    """Stands for vLLM's `SamplingParams` in `Sampling.params` (only what the pipeline reads)."""
+
+    def __init__(self, **kw):
+        self.temperature, self.seed, self.min_tokens = 0.0, None, 0
+        self.__dict__.update(kw)
+
+    def clone(self):
+        return Params(**self.__dict__)
+
+
+async def _second_turn_cut(rig: Rig, max_tokens: int, **kw) -> tuple[str, list[int], TurnResult]:
+    """Turn 1 on decode-0, then turn 2 of the session (streamed, on decode-0 again)."""
+    text1, _, r1 = await rig.turn(text=P1)
+    assert r1.decode_replica == "decode-0"
+    return await rig.turn(text=P1 + text1 + USER2, max_tokens=max_tokens, **kw)
+
+
+async def test_a_stream_cut_mid_answer_goes_on_on_another_replica(model_dir):
+    """The session's decode replica dies after 4 tokens of a streamed answer: a survivor
+    computes the prompt plus those tokens and generates the rest; the client gets every
+    token once, the uninterrupted answer's, and no error."""
+    rig = Rig(model_dir)
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.die_after["decode-0"] = 4
+    text, ids, r = await rig.turn(text=P1 + text1 + USER2, max_tokens=12)
+    assert (text, ids) == expected_answer(rig.engines, r.prompt_tokens, 12)
+    assert r.completion_tokens == 12 and r.decode_replica == "decode-1" and r.finish_reason == "length"
+    (cut, r_cut), (cont, r_cont) = rig.engines.decode_requests[1:]
+    assert (r_cut, r_cont) == ("decode-0", "decode-1")
+    assert cont.request_id == cut.request_id + "-cont1" and cont.avoid_replicas == ("decode-0",)
+    assert cont.prompt_token_ids == cut.prompt_token_ids + tuple(ids[:4])
+    assert cont.sampling.max_tokens == 8 and cont.kv_params == local_decode_params()
+    counts = rig.turns.counts
+    assert counts["decode_continued"] == 1 and counts["decode_continued_resumed"] == 1
+    assert counts["decode_continued_tokens"] == 4 and counts["decode_failed"] == 0
+    assert counts["decode_continued_from/resumed/decode-0"] == 1
+    assert counts["decode_retried"] == 0 and counts["decode_restarted"] == 0
+    # The prompt was computed again on the survivor: nothing of the pulled history counts.
+    assert r.reused_from_decode == 0 and r.cached_tokens <= r.prompt_tokens
+    # The conversation goes on from the survivor, which holds the whole answer's KV.
+    session, outcome, conv = rig.store.ended[-1]
+    assert outcome is TurnOutcome.PULLED and conv.decode_replica == "decode-1"
+    assert conv.token_ids == r.prompt_token_ids + tuple(ids) and conv.handle.engine_id == "d-decode-1"
+    assert conv.handle.num_tokens == len(conv.token_ids) - 1
+    _, ids3, r3 = await rig.turn(text=P1 + text1 + USER2 + text + USER3)
+    assert r3.miss_reason is None and r3.reused_from_decode > 0
+    assert ids3 == expected_answer(rig.engines, r3.prompt_tokens)[1]
+
+
+async def test_a_stream_goes_on_through_as_many_cuts_as_allowed_then_fails(model_dir):
+    engines = FakeEngines(("decode-0", "decode-1", "decode-2"))
+    rig = Rig(model_dir, engines)
+    engines.die_after = {"decode-0": 2, "decode-1": 2}
+    text, ids, r = await rig.turn(text=P1, max_tokens=10)
+    assert (text, ids) == expected_answer(engines, r.prompt_tokens, 10) and r.decode_replica == "decode-2"
+    assert [len(req.prompt_token_ids) - r.prompt_tokens for req, _ in engines.decode_requests] == [0, 2, 4]
+    assert rig.turns.counts["decode_continued"] == 2 and rig.turns.counts["decode_continued_tokens"] == 6
+
+    engines = FakeEngines(("decode-0", "decode-1", "decode-2"))
+    rig = Rig(model_dir, engines, **{"ingress.max_continuations": 1})
+    engines.die_after = {"decode-0": 2, "decode-1": 2}
+    got: list[int] = []
+    with pytest.raises(APIError) as err:
+        async for event in rig.turns.run(rig.input(text=P1, max_tokens=10)):
+            got.extend(event.token_ids)
+    assert (err.value.status, err.value.code) == (502, "decode_failed")
+    assert err.value.body()["kvturn"] == {"decode_replica": "decode-1"}
+    assert got == expected_answer(engines, len(enc(P1)), 4)[1]  # each token once, then the error
+    counts = rig.turns.counts
+    assert counts["decode_continued"] == 1 and counts["decode_continuations_exhausted"] == 1
+    assert counts["decode_failed"] == 1
+    assert rig.store.ended == [("s1", TurnOutcome.UNUSED, None)] and rig.store.stats()["open_leases"] == 0
+
+
+async def test_a_continuation_that_dies_before_output_is_continued_again(model_dir):
+    engines = FakeEngines(("decode-0", "decode-1", "decode-2"))
+    rig = Rig(model_dir, engines)
+    engines.die_after = {"decode-0": 4}
+    engines.broken.add("decode-1")  # the replica the router picks next fails at once
+    picks = {"req-1": "decode-0", "req-1-cont1": "decode-1", "req-1-cont2": "decode-2"}
+    engines._pick = lambda request: picks[request.request_id]
+    _, ids, r = await rig.turn(text=P1, max_tokens=8)
+    assert ids == expected_answer(engines, r.prompt_tokens, 8)[1] and r.decode_replica == "decode-2"
+    assert [rep for _, rep in engines.decode_requests] == ["decode-0", "decode-1", "decode-2"]
+    last = engines.decode_requests[-1][0]
+    assert last.request_id == "req-1-cont2" and last.avoid_replicas == ("decode-0",)
+    assert rig.turns.counts["decode_continued"] == 2
+    assert rig.turns.counts["decode_continued_from/resumed/unknown"] == 1  # it said no replica
+
+
+async def test_unstreamed_turns_still_start_over(model_dir):
+    rig = Rig(model_dir)
+    rig.engines.die_after = {"decode-0": 2}
+    events = [e async for e in rig.turns.run(rig.input(text=P1, stream=False))]
+    ids = [t for e in events[:-1] for t in e.token_ids]
+    assert ids == expected_answer(rig.engines, events[-1].prompt_tokens)[1]
+    assert rig.turns.counts["decode_restarted"] == 1 and rig.turns.counts["decode_continued"] == 0
+
+
+async def test_a_structured_output_stream_is_replayed_and_the_sent_tokens_dropped(model_dir):
+    """vLLM never feeds a prompt to a request's grammar: a continuation of a prompt that ends
+    mid-JSON would start a new document. The survivor generates the answer again from the
+    start; the client gets only what it lacks, even where chunks split differently."""
+    rig = Rig(model_dir)
+    rig.engines.chunk_tokens["decode-1"] = 3
+    params = Params(structured_outputs={"json": {"type": "object"}})
+    text1, _, _ = await rig.turn(text=P1)
+    rig.engines.die_after["decode-0"] = 4
+    turn = rig.input(text=P1 + text1 + USER2, max_tokens=11)
+    turn = dataclasses.replace(turn, sampling=dataclasses.replace(turn.sampling, params=params))
+    deltas = [e async for e in rig.turns.run(turn)]
+    r = deltas.pop()
+    assert isinstance(r, TurnResult)
+    text = "".join(d.text for d in deltas)
+    ids = [t for d in deltas for t in d.token_ids]
+    assert (text, ids) == expected_answer(rig.engines, r.prompt_tokens, 11)
+    assert [len(d.token_ids) for d in deltas] == [2, 2, 2, 3, 2]  # 4 sent, then 5 of a 3-token chunk on
+    (cut, _), (replay, r_replay) = rig.engines.decode_requests[1:]
+    assert replay.prompt_token_ids == cut.prompt_token_ids and replay.sampling == cut.sampling
+    assert r_replay == "decode-1" and replay.kv_params == local_decode_params()
+    counts = rig.turns.counts
+    assert counts["decode_continued_replayed_grammar"] == 1 and counts["decode_replayed_tokens"] == 4
+    assert counts["decode_continued_from/replayed_grammar/decode-0"] == 1
+
+
+async def test_a_replay_that_gives_other_tokens_ends_the_stream(model_dir):
+    rig = Rig(model_dir)
+    rig.engines.die_after = {"decode-0": 2}
+    original = rig.engines.answer
+
+    def answer(prompt_len, n):  # sampling without a seed: the replay draws otherwise
+        return original(prompt_len + (1 if rig.engines.decode_requests[-1][1] == "decode-1" else 0), n)
+
+    rig.engines.answer = answer
+    turn = rig.input(text=P1, max_tokens=6)
+    params = Params(temperature=0.7, stop=["###"])
+    turn = dataclasses.replace(turn, sampling=dataclasses.replace(turn.sampling, params=params))
+    with pytest.raises(APIError) as err:
+        async for _ in rig.turns.run(turn):
+            pass
+    assert err.value.code == "decode_failed"
+    counts = rig.turns.counts
+    assert counts["decode_continued_replayed_output"] == 1 and counts["decode_continuation_diverged"] == 1
+
+
+def test_how_an_answer_continues_follows_its_settings():
+    greedy = Sampling(max_tokens=10, temperature=0.0)
+    assert continuation_of(greedy, 4) is Continuation.RESUMED
+    assert continuation_of(greedy, 10) is None  # nothing left to generate
+    assert continuation_of(dataclasses.replace(greedy, stop=("x",)), 4) is Continuation.REPLAYED_OUTPUT
+    seeded = Sampling(max_tokens=10, temperature=0.8, seed=3)
+    assert continuation_of(seeded, 4) is Continuation.REPLAYED_OUTPUT
+    assert continuation_of(dataclasses.replace(seeded, seed=None), 4) is Continuation.RESUMED
+
+    def of(**kw):
+        return continuation_of(dataclasses.replace(greedy, params=Params(**kw)), 4)
+
+    assert of() is Continuation.RESUMED
+    assert of(min_tokens=6, repetition_penalty=1.2, logit_bias={1: 2.0}) is Continuation.RESUMED
+    assert of(structured_outputs={"regex": "a+"}, stop=["x"]) is Continuation.REPLAYED_GRAMMAR
+    for kw in ({"stop": ["\n"]}, {"frequency_penalty": 0.5}, {"presence_penalty": -1.0}):
+        assert of(**kw) is Continuation.REPLAYED_OUTPUT, kw
+    for kw in ({"bad_words": ["no"]}, {"thinking_token_budget": 64}, {"temperature": 1.0, "seed": 1}):
+        assert of(**kw) is Continuation.REPLAYED_OUTPUT, kw
+
+
+async def test_a_resumed_answer_keeps_its_minimum_length_from_where_it_was_cut(model_dir):
+    rig = Rig(model_dir)
+    rig.engines.die_after = {"decode-0": 4}
+    params = Params(min_tokens=6)
+    turn = rig.input(text=P1, max_tokens=8)
+    turn = dataclasses.replace(turn, sampling=dataclasses.replace(turn.sampling, params=params))
+    _ = [e async for e in rig.turns.run(turn)]
+    cont = rig.engines.decode_requests[-1][0]
+    assert cont.sampling.max_tokens == 4 and cont.sampling.params.min_tokens == 2
+    assert params.min_tokens == 6  # the client's own params are left as they were
 
 
 async def test_default_max_tokens_clipped_to_room(model_dir):
@@ -1298,7 +1485,7 @@ def test_leg_pace_expected_uses_a_stand_in_until_measured():
 
 
 async def test_a_failed_decode_local_turn_leaves_nothing_in_flight(model_dir):
-    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64})
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64, "ingress.max_continuations": 0})
     text1, _, r1 = await rig.turn(text=P1)
     rig.engines.fail_mid_stream = True
     with pytest.raises(APIError):
