@@ -1,0 +1,81 @@
+"""`python -m bench.sim`: the simulated fleet.
+
+python -m bench.sim --validate          # simulated vs measured (CPU fleet study, Qwen3-32B case)
+python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
+python -m bench.sim --params            # every parameter with its source
+python -m bench.sim --trace FILE.jsonl --mode bidir --hardware h200 --decode 2   # one trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from bench.sim.fleet import MODES, Fleet, FleetSpec
+from bench.sim.params import cpu_fleet, gpu_qwen3_32b
+from bench.sim.study import level_figures
+from bench.traces import read_trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__)
+    p.add_argument("--validate", action="store_true", help="simulated vs measured tables")
+    p.add_argument("--project", action="store_true", help="GPU projections, markdown table and plot")
+    p.add_argument("--params", action="store_true", help="every parameter and its source")
+    p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
+    p.add_argument("--mode", default="bidir", choices=MODES)
+    p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="decode engines (dp: all engines)")
+    p.add_argument("--plot", default="docs/bench-sim.png", help="where --project writes its plot")
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    out: dict = {}
+    if args.params:
+        for hw in (cpu_fleet(), gpu_qwen3_32b(tp=2)):
+            print(f"\n{hw.name}:\n\n| parameter | value | source | moves most |\n| --- | --- | --- | --- |")
+            for prm in hw.params:
+                print(f"| {prm.name} | {prm.value} | {prm.source} | {prm.moves} |")
+    if args.validate:
+        from bench.profiles import profile
+        from bench.sim import validate
+
+        assert (shape := profile("fleet").trace) is not None
+        rows, gpu = validate.cpu_table(shape), validate.gpu_case()
+        print(validate.format_report(rows, gpu))
+        out["validate"] = {"cpu": rows, "gpu": gpu}
+    if args.project:
+        from bench.sim import project
+
+        result = project.run()
+        print(project.format_table(result))
+        project.plot(result, args.plot)
+        print(f"plot: {args.plot}")
+        out["project"] = result
+    if args.trace:
+        hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
+        fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))
+        figures = level_figures(fleet.run(read_trace(args.trace)), _slo())
+        print(json.dumps(figures, indent=2, default=str))
+        out["trace"] = figures
+    if not out and not args.params:
+        p.print_help()
+        return 2
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+    print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def _slo():
+    from bench.fleet import SLO
+
+    return SLO()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

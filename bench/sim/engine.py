@@ -1,0 +1,195 @@
+"""One simulated vLLM engine: a step loop with continuous batching and chunked prefill,
+on simpy's clock, priced by `bench.sim.costs.EngineCost`.
+
+A request (`Job`) brings `new` prompt tokens to compute over `cached` tokens the engine
+already holds, and wants `answer` tokens. Each step decodes one token for every running
+sequence, then fills the rest of the step's token budget with waiting prefills in arrival
+order (a prefill may span steps). The step that finishes a job's prompt samples its first
+token (`Job.first` fires); the job then decodes its other `answer - 1` tokens, one a step,
+and `Job.done` fires after its last. A job with `new == 0` (its KV arrived over NIXL)
+joins the next step directly. A job with `answer == 0` (a prefill leg) is done at its
+first token.
+
+Bookkeeping the tests check: every prompt token a job brings is computed exactly once
+(`computed_tokens`), every answer token decoded exactly once (`decoded_tokens`), and the
+KV blocks of running sequences return to zero when the engine is idle (`blocks_in_use`).
+Inter-token latency is kept as (step seconds, sequences that waited that long) pairs,
+one per step, rather than one sample per token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from bench.sim.costs import EngineCost, blocks
+
+
+@dataclass(eq=False)
+class Job:
+    new: int
+    cached: int
+    answer: int
+    first: Any = None  # simpy.Event, set by `Engine.submit`
+    done: Any = None
+    left: int = 0
+    """Prompt tokens still to compute."""
+    first_at: float | None = None
+    tag: Any = None
+
+    @property
+    def context(self) -> int:
+        return self.cached + self.new
+
+
+@dataclass
+class _Running:
+    job: Job
+    joined_step: int
+    start_ctx: int
+    finish_step: int
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    computed_tokens: int = 0
+    decoded_tokens: int = 0
+    itl: list[tuple[float, int]] = field(default_factory=list)
+    """(step seconds, sequences that had a token before the step and got one in it)."""
+    peak_blocks: int = 0
+
+
+class Engine:
+    """One engine. `submit` queues a job and returns it with its `first` and `done`
+    events; `queued_tokens` is what the router weighs."""
+
+    def __init__(
+        self, env: simpy.Environment, cost: EngineCost, name: str, block_size: int, request_chunk: int = 0
+    ):
+        self.env = env
+        self.request_chunk = request_chunk or cost.chunk_tokens
+        """Prompt tokens of one request per step at most (vLLM's `long_prefill_token_threshold`)."""
+        self.cost = cost
+        self.name = name
+        self.block_size = block_size
+        self.stats = EngineStats()
+        self._waiting: deque[Job] = deque()
+        self._joining: list[Job] = []
+        self._running: dict[int, _Running] = {}
+        self._finish: list[tuple[int, int]] = []  # heap of (finish step, job id)
+        self._ctx = 0
+        self._blocks = 0
+        self._step = 0
+        self._wake: simpy.Event = env.event()
+        self.queued_tokens = 0
+        env.process(self._loop())
+
+    # -- callers ---------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> Job:
+        job.first, job.done = self.env.event(), self.env.event()
+        job.left = max(0, job.new)
+        if job.left:
+            self._waiting.append(job)
+            self.queued_tokens += job.left
+        else:
+            self._joining.append(job)
+        if not self._wake.triggered:
+            self._wake.succeed()
+        return job
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self._blocks
+
+    def idle(self) -> bool:
+        return not (self._waiting or self._joining or self._running)
+
+    # -- the step loop ---------------------------------------------------------------------
+
+    def _loop(self) -> Generator[Any, Any, None]:
+        while True:
+            if self.idle():
+                self._wake = self.env.event()
+                yield self._wake
+                continue
+            waited = len(self._running)
+            for job in self._joining:
+                self._join(job)
+            joined, self._joining = self._joining, []
+            budget = max(0, self.cost.chunk_tokens - len(self._running))
+            chunks: list[tuple[Job, int]] = []
+            for job in self._waiting:
+                if budget <= 0:
+                    break
+                n = min(job.left, budget, self.request_chunk)
+                chunks.append((job, n))
+                budget -= n
+            dt = self.cost.step(
+                len(self._running), self._ctx, [(n, job.context - job.left) for job, n in chunks]
+            )
+            yield self.env.timeout(dt)
+            self._after_step(dt, waited, joined, chunks)
+
+    def _join(self, job: Job) -> None:
+        self._blocks += blocks(job.context + job.answer, self.block_size)
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self._blocks)
+        key = id(job)
+        finish = self._step + max(1, job.answer)
+        self._running[key] = _Running(job, self._step, job.context, finish)
+        heapq.heappush(self._finish, (finish, key))
+        self._ctx += job.context
+
+    def _after_step(self, dt: float, waited: int, joined: list[Job], chunks: list[tuple[Job, int]]) -> None:
+        self._step += 1
+        st = self.stats
+        st.steps += 1
+        st.busy_s += dt
+        st.decoded_tokens += len(self._running)
+        if waited:
+            st.itl.append((dt, waited))
+        self._ctx += len(self._running)
+        now = self.env.now
+        for job in joined:
+            self._first(job, now)
+        for job, n in chunks:
+            job.left -= n
+            self.queued_tokens -= n
+            st.computed_tokens += n
+            if job.left == 0:
+                self._waiting.remove(job)
+                self._first(job, now)
+                if job.answer > 0:
+                    self._join(job)
+                    # Its prefill step sampled the first token: one fewer to decode.
+                    run = self._running[id(job)]
+                    run.finish_step = self._step + job.answer - 1
+                    heapq.heappush(self._finish, (run.finish_step, id(job)))
+                    st.decoded_tokens += 1
+                else:
+                    job.done.succeed()
+        while self._finish and self._finish[0][0] <= self._step:
+            step, key = heapq.heappop(self._finish)
+            ended = self._running.get(key)
+            if ended is None or ended.finish_step != step:
+                continue  # superseded entry
+            del self._running[key]
+            self._ctx -= ended.start_ctx + (step - ended.joined_step)
+            self._blocks -= blocks(ended.job.context + ended.job.answer, self.block_size)
+            ended.job.done.succeed()
+
+    @staticmethod
+    def _first(job: Job, now: float) -> None:
+        job.first_at = now
+        job.first.succeed()

@@ -1,0 +1,289 @@
+"""The simulated fleet: an ingress (one replica), prefill and decode engine pools, the
+handle store, and the agents of a trace, on one simpy clock.
+
+A turn's life, per mode (each hop a Serve call, priced `hop_s`; each NIXL read by
+`Link`; each engine leg a `bench.sim.engine.Job`):
+
+* `dp`: engines that prefill and decode (`single`), session affinity; the engine's
+  prefix cache (LRU over what its running sequences leave free) holds the history.
+* `oneway`: prefill computes the whole prompt, decode reads all of it, then streams.
+* `bidir`, `bidir-pd`, `bidir-nopin`: the store claims the session's handle (the app's
+  `HandleStore`); the app's placement (`bench.sim.policy`) sends the turn to its decode
+  replica alone, or through prefill, which pulls the history from decode, computes the
+  rest, and decode reads back only what it lacks. The new turn's handle is stored, its
+  blocks pinned within the app's budget, the old one settled and released. `bidir-pd`:
+  every turn through prefill; `bidir-nopin`: no handles (prefill recomputes, decode
+  relies on its prefix cache).
+
+Agents follow their trace: a session's turn is sent its pause after the previous answer
+ended. `run` can be called again on the same fleet (a warm-up, then a level), as the
+benchmark drives one deployment.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from bench.sim import policy
+from bench.sim.engine import Engine, Job
+from bench.sim.params import Hardware
+from bench.traces import Trace, TraceSession
+from connector.store import TurnOutcome
+
+TurnProcess = Generator[Any, Any, None]
+"""A simpy process (or part of one) of a turn."""
+
+MODES = ("dp", "oneway", "bidir", "bidir-pd", "bidir-nopin")
+PD_MODES = MODES[1:]
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    mode: str
+    hw: Hardware
+    prefill: int = 1
+    decode: int = 1
+    """Decode engines (dp: all its engines)."""
+    placement: str = "priced"
+    """The app's `transfer.placement` ("static": the rule before the priced one)."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} not in {MODES}")
+        if self.decode < 1 or (self.mode != "dp" and self.prefill < 1):
+            raise ValueError("at least one engine of each role")
+
+
+@dataclass
+class TurnResult:
+    session: str
+    turn: int
+    kind: str
+    tokens: int
+    """Tokens the turn adds (its tool result or user message)."""
+    prompt_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    route: str
+    """"local:<reason>", "prefill" (pulled), "prefill-recompute", or "single"."""
+    start_s: float
+    end_s: float = 0.0
+
+
+@dataclass
+class RunResult:
+    turns: list[TurnResult] = field(default_factory=list)
+    start_s: float = 0.0
+    end_s: float = 0.0
+    itl: list[tuple[float, int]] = field(default_factory=list)
+    computed_tokens: int = 0
+    peak_pinned_blocks: int = 0
+    store_calls: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class PrefixCache:
+    """Per engine: the sessions whose last turn's KV it still holds, least recent first,
+    within the tokens its running sequences and pins leave free."""
+
+    def __init__(self, capacity_tokens: int):
+        self.capacity = capacity_tokens
+        self._held: OrderedDict[str, int] = OrderedDict()
+        self._total = 0
+
+    def hit(self, session: str) -> int:
+        return self._held.get(session, 0)
+
+    def insert(self, session: str, tokens: int, busy_tokens: int) -> None:
+        self._total += tokens - self._held.pop(session, 0)
+        self._held[session] = tokens
+        while self._held and self._total > max(0, self.capacity - busy_tokens):
+            _, gone = self._held.popitem(last=False)
+            self._total -= gone
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec):
+        self.spec = spec
+        hw = spec.hw
+        self.env = simpy.Environment()
+        clock: Callable[[], float] = lambda: self.env.now  # noqa: E731
+        cost = hw.engine
+        transfer: dict[str, Any] = {"placement": spec.placement}
+        if spec.mode == "bidir-pd":
+            transfer.update(decode_local_tokens=0, decode_local_busy_tokens=0)
+        self.transfer = policy.transfer_config(**transfer)
+        # The app's per-request prompt chunk on decode engines (`transfer.decode_chunk_tokens`
+        # where the app has it; the static rule ran without it).
+        chunked = spec.mode != "dp" and spec.placement == "priced"
+        decode_chunk = getattr(self.transfer, "decode_chunk_tokens", 0) if chunked else 0
+        self.placement = policy.PlacementState(clock, self.transfer, decode_chunk)
+        self.prefill = [Engine(self.env, cost, f"p{i}", hw.block_size) for i in range(spec.prefill)]
+        if spec.mode == "dp":
+            self.prefill = []
+        self.decode = [
+            Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk) for i in range(spec.decode)
+        ]
+        self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size) for e in self.decode}
+        self.store = policy.make_store(clock, hw.block_size) if spec.mode in ("bidir", "bidir-pd") else None
+        if self.store is not None:
+            for e in self.decode:
+                self.store.set_engine_capacity(e.name, hw.kv_blocks)
+        self._affinity: dict[str, Engine] = {}
+        self._result = RunResult()
+
+    # -- driving -------------------------------------------------------------------------
+
+    def run(self, trace: Trace) -> RunResult:
+        """Every session of `trace`, from now; returns when the last answer ended."""
+        self._result = result = RunResult(start_s=self.env.now)
+        engines = self.prefill + self.decode
+        itl_from = {e.name: len(e.stats.itl) for e in engines}
+        computed_from = sum(e.stats.computed_tokens for e in engines)
+        procs = [self.env.process(self._session(s, self.env.now)) for s in trace.sessions]
+        self.env.run(until=simpy.AllOf(self.env, procs))
+        result.end_s = self.env.now
+        result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
+        result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
+        return result
+
+    def _session(self, s: TraceSession, offset: float) -> TurnProcess:
+        yield self.env.timeout(max(0.0, offset + s.start_s - self.env.now))
+        history = s.system_tokens
+        for i, turn in enumerate(s.turns):
+            if i and turn.pause_s:
+                yield self.env.timeout(turn.pause_s)
+            prompt = history + turn.tokens
+            record = TurnResult(s.session_id, i + 1, turn.kind, turn.tokens, prompt, 0, 0.0, "", self.env.now)
+            if self.spec.mode == "dp":
+                yield from self._dp_turn(s.session_id, prompt, turn.answer_tokens, record)
+            else:
+                yield from self._pd_turn(s.session_id, i, prompt, turn.answer_tokens, record)
+            record.end_s = self.env.now
+            self._result.turns.append(record)
+            history = prompt + turn.answer_tokens
+
+    # -- routing helpers -----------------------------------------------------------------
+
+    @staticmethod
+    def _least_loaded(engines: list[Engine]) -> Engine:
+        return min(engines, key=lambda e: (e.queued_tokens, e.running))
+
+    def _decode_of(self, session: str) -> Engine:
+        engine = self._affinity.get(session)
+        if engine is None:
+            engine = self._affinity[session] = self._least_loaded(self.decode)
+        return engine
+
+    def _first(self, record: TurnResult, job: Job) -> None:
+        assert job.first_at is not None
+        record.ttft_s = job.first_at - record.start_s + self.spec.hw.ingress_s
+
+    # -- dp ------------------------------------------------------------------------------
+
+    def _dp_turn(self, session: str, prompt: int, answer: int, record: TurnResult) -> TurnProcess:
+        hw = self.spec.hw
+        yield self.env.timeout(hw.store_call_s + hw.hop_s)
+        engine = self._decode_of(session)
+        cache = self.caches[engine.name]
+        cached = min(cache.hit(session), prompt - 1)
+        job = engine.submit(Job(prompt - cached, cached, answer))
+        record.computed_tokens, record.route = prompt - cached, "single"
+        yield job.first
+        self._first(record, job)
+        yield job.done
+        cache.insert(session, prompt + answer, engine.blocks_in_use * hw.block_size)
+
+    # -- P/D -----------------------------------------------------------------------------
+
+    def _pd_turn(self, session: str, index: int, prompt: int, answer: int, record: TurnResult) -> TurnProcess:
+        hw, mode, store = self.spec.hw, self.spec.mode, self.store
+        claim, history = None, 0
+        replica = self._affinity.get(session)
+        if store is not None:
+            yield self.env.timeout(hw.store_call_s)
+            claim = store.begin_turn(session)
+            self._result.store_calls += 1
+            if claim.handle is not None:
+                history = min(claim.handle.num_tokens, prompt - 1)
+                if history < max(1, self.transfer.recompute_threshold_tokens):
+                    history = 0
+        elif mode == "bidir-nopin" and replica is not None:
+            history = min(self.caches[replica.name].hit(session), prompt - 1)
+        reason = None
+        if mode != "oneway":
+            new = prompt - history if history and replica is not None else prompt
+            reason = self.placement.place(new, replica.name if replica is not None else None)
+        if reason is not None:
+            target = self._decode_of(session)
+            job = yield from self._local_leg(target, prompt, prompt - history, answer, record, reason)
+            outcome = TurnOutcome.UNUSED
+        else:
+            pulled = yield from self._prefill_leg(prompt, history if mode != "oneway" else 0, record)
+            outcome = TurnOutcome.PULLED if pulled else TurnOutcome.UNUSED
+            target = self._decode_of(session)
+            holds = history if (pulled and target is replica) else 0
+            yield self.env.timeout(hw.hop_s)
+            called = self.env.now
+            yield self.env.timeout(hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token))
+            job = target.submit(Job(0, prompt, answer))
+            yield job.first
+            self._first(record, job)
+            self.placement.handoff.observe(self.env.now - called)
+        yield from self._stream(target, job, answer)
+        if store is not None and claim is not None:
+            conv = policy.conversation(session, index, target.name, prompt + answer, hw.block_size)
+            store.end_turn(claim.lease_id, outcome, conv, engine_blocks=hw.kv_blocks)
+            store.take_releases()
+            self._result.store_calls += 1
+            pinned = max(store.pinned_blocks(e.name) for e in self.decode)
+            self._result.peak_pinned_blocks = max(self._result.peak_pinned_blocks, pinned)
+        self.caches[target.name].insert(session, prompt + answer, target.blocks_in_use * hw.block_size)
+
+    def _local_leg(
+        self, target: Engine, prompt: int, new: int, answer: int, record: TurnResult, reason: str
+    ) -> Generator[Any, Any, Job]:
+        hw = self.spec.hw
+        first = self.placement.local_leg(target.name, new)
+        yield self.env.timeout(hw.hop_s)
+        job = target.submit(Job(new, prompt - new, answer))
+        record.computed_tokens, record.route = new, f"local:{reason}"
+        yield job.first
+        self._first(record, job)
+        first()(new)
+        return job
+
+    def _prefill_leg(self, prompt: int, history: int, record: TurnResult) -> Generator[Any, Any, bool]:
+        """Hop to the least loaded prefill engine, pull `history` (if any), compute the rest."""
+        hw = self.spec.hw
+        new = prompt - history
+        end = self.placement.prefill_leg(new)
+        engine = self._least_loaded(self.prefill)
+        yield self.env.timeout(hw.hop_s)
+        if history:
+            yield self.env.timeout(hw.link.transfer_s(history, hw.kv_bytes_per_token))
+        job = engine.submit(Job(new, history, 0))
+        yield job.done
+        end(new)
+        record.computed_tokens = new
+        record.route = "prefill" if history else "prefill-recompute"
+        return bool(history)
+
+    def _stream(self, target: Engine, job: Job, answer: int) -> TurnProcess:
+        """The answer streams from `target` (counted in its streams) until its last token."""
+        name = target.name
+        self.placement.local_pace(name)
+        self.placement.streams[name] += 1
+        started = self.env.now
+        yield job.done
+        self.placement.streams[name] -= 1
+        if answer > 1:
+            self.placement.step_s[name].observe((self.env.now - started) / (answer - 1))

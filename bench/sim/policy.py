@@ -1,0 +1,185 @@
+"""The app's own decisions, driven by simulated time: placement (which turns skip
+prefill), the pacing it rests on, and the handle store with its pinned-KV budget.
+
+Nothing here re-implements them. `PlacementState.place` is the one seam for the
+placement policy: it calls `app.placement.place` (or `place_static`, as
+`transfer.placement` says) with the loads the simulation measured, or
+`app.pacing.decode_local_reason` in an app without `app.placement`. `PlacementState`
+holds the app's `LegPace` objects (one for the prefill pool, one per decode replica) and
+updates them as `app.legs` and `app.pacing.LocalLeg` do, with the simulation's clock in
+place of `time.monotonic`. `make_store` builds `connector.store.HandleStore` with the app's
+session defaults and the simulation's clock.
+
+The app's modules are loaded by file (`load_app_module`): `app/__init__.py` builds the
+Serve graph and imports Ray and vLLM (seconds), while `app.config` and `app.pacing` need
+only pydantic (`app.wire` and `app.placement` only the standard library). A later
+ordinary `import app` still works and reuses these modules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from connector.handle import KVHandle, Location
+from connector.store import Conversation, HandleStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_app_module(name: str) -> ModuleType:
+    """`app.<name>` without running `app/__init__.py` (unless the app is imported already)."""
+    full = f"app.{name}"
+    if full in sys.modules:
+        return sys.modules[full]
+    spec = importlib.util.spec_from_file_location(full, ROOT / "app" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[full] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[full]
+        raise
+    return module
+
+
+config = load_app_module("config")
+if (ROOT / "app" / "wire.py").exists():
+    load_app_module("wire")  # app.pacing reads the engine wire types
+pacing = load_app_module("pacing")
+placement: ModuleType | None = (
+    load_app_module("placement") if (ROOT / "app" / "placement.py").exists() else None
+)
+
+
+def transfer_config(**changes: Any) -> Any:
+    """The app's `TransferConfig`: its defaults, with `changes` (bidir-pd: both
+    `decode_local_*` thresholds 0; `placement: static`, the rule the CPU fleet study ran)."""
+    return config.TransferConfig(backend="UCX", **changes)
+
+
+class _Ewma:
+    """The app's moving average (`app.pacing.Ewma`, weight 0.2)."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def observe(self, value: float) -> None:
+        self.value = value if self.value is None else self.value + 0.2 * (value - self.value)
+
+
+class PlacementState:
+    """What the ingress measures for placement (`app.turns.Turns` keeps the same, one
+    ingress replica): the prefill pool's pace, each decode replica's own pace, its streams
+    and their step time, and the hand-off of P/D turns."""
+
+    def __init__(self, clock: Callable[[], float], transfer: Any, decode_chunk: int):
+        self._clock = clock
+        self.transfer = transfer
+        self.decode_chunk = decode_chunk
+        self.prefill = pacing.LegPace()
+        self.local: dict[str, Any] = {}
+        self.streams: dict[str, int] = {}
+        self.step_s: dict[str, _Ewma] = {}
+        self.handoff = _Ewma()
+
+    def local_pace(self, replica: str | None) -> Any:
+        if replica is None:
+            return None
+        if replica not in self.local:
+            self.local[replica] = pacing.LegPace()
+            self.streams[replica] = 0
+            self.step_s[replica] = _Ewma()
+        return self.local[replica]
+
+    def place(self, new_tokens: int, replica: str | None) -> str | None:
+        """Why the turn skips prefill, or None: the app's decision (the one seam)."""
+        t, local = self.transfer, self.local_pace(replica)
+        if placement is None:  # the app before `app.placement`
+            return pacing.decode_local_reason(t, new_tokens, self.prefill, local)
+        limits = placement.Limits(
+            t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
+        )
+        prefill = placement.PrefillLoad(
+            self.prefill.seconds_per_token, self.prefill.tokens_in_flight, self.handoff.value
+        )
+        decode = None
+        if replica is not None:
+            decode = placement.DecodeLoad(
+                local.seconds_per_token,
+                local.tokens_in_flight,
+                self.streams[replica],
+                self.step_s[replica].value,
+            )
+        policy = placement.place if t.placement == "priced" else placement.place_static
+        decided = policy(new_tokens, prefill, decode, limits)
+        return str(decided.reason) if decided.local else None
+
+    def prefill_leg(self, new_tokens: int) -> Callable[[int], None]:
+        """A prefill leg starts (`app.legs.Legs._paced_prefill`); call what it returns
+        with the tokens computed when the leg ends."""
+        pace, started = self.prefill, self._clock()
+        ahead = pace.tokens_in_flight
+        pace.tokens_in_flight += new_tokens
+
+        def end(computed: int) -> None:
+            pace.tokens_in_flight -= new_tokens
+            pace.observe(computed, self._clock() - started, ahead)
+
+        return end
+
+    def local_leg(self, replica: str, new_tokens: int) -> Callable[[], Callable[[int], None]]:
+        """A turn its decode replica computes alone (`app.pacing.LocalLeg`): call what it
+        returns at the first token, then what that returns with the tokens computed."""
+        pace, started = self.local_pace(replica), self._clock()
+        tokens, ahead = max(0, new_tokens), pace.tokens_in_flight
+        pace.tokens_in_flight += tokens
+
+        def first() -> Callable[[int], None]:
+            to_first = self._clock() - started
+            pace.tokens_in_flight -= tokens
+            return lambda computed: pace.observe(computed, to_first, ahead)
+
+        return first
+
+
+def make_store(
+    clock: Callable[[], float], block_size: int, pinned_fraction: float | None = None
+) -> HandleStore:
+    """The handle store as the app builds it from its default config (`app.clients.store_settings`)."""
+    s = config.SessionConfig()
+    t = transfer_config()
+    return HandleStore(
+        handle_ttl_s=s.handle_ttl_s,
+        decoder_ttl_s=t.decoder_kv_blocks_ttl_s,
+        max_sessions=s.max_sessions,
+        max_blocks_per_engine=s.max_pinned_blocks_per_engine,
+        index_block_size=block_size,
+        pinned_fraction=s.pinned_fraction if pinned_fraction is None else pinned_fraction,
+        max_store_bytes=s.max_store_bytes,
+        clock=clock,
+    )
+
+
+def conversation(session_id: str, turn: int, engine_id: str, tokens: int, block_size: int) -> Conversation:
+    """What a turn leaves in the store: a handle to `tokens` positions pinned on
+    `engine_id`. The store keeps ids only to match sessionless prompts, which the
+    simulation does not send: a stand-in of one id per turn keeps it cheap, while the
+    handle carries the real block count the pinned budget counts."""
+    n = -(-tokens // block_size)
+    handle = KVHandle(
+        location=Location.DECODE,
+        engine_id=engine_id,
+        request_id=f"{session_id}/{turn}",
+        block_ids=(tuple(range(n)),),
+        host="sim",
+        port=0,
+        num_tokens=tokens,
+    )
+    ids = list(range(turn + 2))
+    return Conversation(session_id, ids, len(ids) - 1, None, handle, engine_id)
