@@ -1,0 +1,132 @@
+"""`bench.sim.fleet` and `bench.sim.policy`: the simulated fleet's bookkeeping (every turn
+answered, tokens computed where they should be, pinned blocks within the app's budget,
+engines empty at the end), and the app's own decisions driven by simulated time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench.sim import policy
+from bench.sim.fleet import MODES, Fleet, FleetSpec
+from bench.sim.params import cpu_fleet, gpu_qwen3_32b
+from bench.sim.study import level_figures, weighted_quantile
+from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
+
+SHAPE = TraceShape(
+    sessions=6,
+    arrival_rate_per_s=2.0,
+    turns_median=5,
+    turns_max=8,
+    system_tokens=800,
+    tool_median_tokens=300,
+    tool_max_tokens=3000,
+    answer_median_tokens=20,
+    pause_median_s=0.5,
+    max_history_tokens=8000,
+    seed=3,
+)
+
+
+def _run(mode: str, trace: Trace, **spec):
+    fleet = Fleet(FleetSpec(mode, cpu_fleet(), **spec))
+    return fleet, fleet.run(trace)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_turn_is_answered_and_the_engines_end_empty(mode):
+    trace = SHAPE.generate()
+    fleet, run = _run(mode, trace, decode=2 if mode == "dp" else 1)
+    assert len(run.turns) == sum(len(s.turns) for s in trace.sessions)
+    assert all(t.ttft_s > 0 and t.end_s >= t.start_s + t.ttft_s - 1e-9 for t in run.turns)
+    engines = fleet.prefill + fleet.decode
+    assert all(e.idle() and e.blocks_in_use == 0 and e.queued_tokens == 0 for e in engines)
+    # What the turns say they computed is what the engines computed.
+    assert sum(t.computed_tokens for t in run.turns) == run.computed_tokens
+    answers = sum(t.answer_tokens for s in trace.sessions for t in s.turns)
+    assert sum(e.stats.decoded_tokens for e in fleet.decode) == answers
+
+
+def test_prompts_follow_the_trace():
+    trace = SHAPE.generate()
+    _, run = _run("oneway", trace)
+    by_turn = {(t.session, t.turn): t for t in run.turns}
+    for s in trace.sessions:
+        history = s.system_tokens
+        for i, turn in enumerate(s.turns):
+            assert by_turn[(s.session_id, i + 1)].prompt_tokens == history + turn.tokens
+            history += turn.tokens + turn.answer_tokens
+
+
+def test_reuse_computes_less_than_oneway():
+    trace = SHAPE.generate()
+    prompts = sum(t.prompt_tokens for t in _run("oneway", trace)[1].turns)
+    assert _run("oneway", trace)[1].computed_tokens == prompts  # recomputes every prompt
+    for mode in ("bidir", "bidir-pd"):
+        _, run = _run(mode, trace)
+        assert run.computed_tokens < prompts / 2
+        # Every later turn found its history (nothing evicted at this size).
+        assert all(t.route != "prefill-recompute" for t in run.turns if t.turn > 1)
+
+
+def test_bidir_pd_never_computes_on_decode():
+    _, run = _run("bidir-pd", SHAPE.generate())
+    assert {t.route for t in run.turns} <= {"prefill", "prefill-recompute"}
+
+
+def test_pins_stay_within_the_apps_budget():
+    hw = replace(cpu_fleet(), kv_blocks=400)
+    fleet = Fleet(FleetSpec("bidir", hw))
+    run = fleet.run(replace(SHAPE, sessions=12).generate())
+    assert fleet.store is not None
+    budget = policy.config.SessionConfig().pinned_fraction * hw.kv_blocks
+    assert 0 < run.peak_pinned_blocks
+    assert fleet.store.pinned_blocks("d0") <= budget
+    assert fleet.store.counts["evicted_for_blocks"] > 0
+    # Evicted conversations recompute through prefill.
+    assert any(t.route == "prefill-recompute" and t.turn > 1 for t in run.turns)
+
+
+def test_store_settles_every_claim():
+    fleet, run = _run("bidir", SHAPE.generate())
+    assert fleet.store is not None
+    stats = fleet.store.stats()
+    assert stats["counts"].get("claimed", 0) == sum(1 for t in run.turns if t.turn > 1)
+    assert stats["open_leases"] == 0
+
+
+def test_placement_is_the_apps():
+    transfer = policy.transfer_config(placement="static")
+    state = policy.PlacementState(lambda: 0.0, transfer, 0)
+    assert state.place(transfer.decode_local_tokens, None) == "short"
+    assert state.place(transfer.decode_local_tokens + 1, "d0") is None  # prefill idle
+    pd = policy.PlacementState(
+        lambda: 0.0, policy.transfer_config(decode_local_tokens=0, decode_local_busy_tokens=0), 0
+    )
+    assert pd.place(1, "d0") is None
+
+
+def test_gpu_turn_through_prefill_pays_the_pull():
+    turns = (TraceTurn("user", 20_000, 50), TraceTurn("user", 150, 50, pause_s=1.0))
+    trace = Trace((TraceSession("a", 0.0, 500, turns),))
+    hw = gpu_qwen3_32b(tp=8, mfu=0.4)
+    ttft = {}
+    for mode in ("oneway", "bidir-pd"):
+        run = Fleet(FleetSpec(mode, hw)).run(trace)
+        ttft[mode] = run.turns[1].ttft_s
+    pull = hw.link.transfer_s(20_500 + 50, hw.kv_bytes_per_token)
+    assert ttft["bidir-pd"] > pull
+    assert ttft["oneway"] > ttft["bidir-pd"]
+
+
+def test_weighted_quantile_and_level_figures():
+    assert weighted_quantile([(1.0, 98), (5.0, 2)], 0.99) == 5.0
+    assert weighted_quantile([(1.0, 99), (5.0, 1)], 0.99) == 1.0
+    assert weighted_quantile([], 0.5) is None
+    from bench.fleet import SLO
+
+    _, run = _run("bidir", SHAPE.generate())
+    figures = level_figures(run, SLO())
+    assert figures["turns"] == len(run.turns) and figures["turns_per_s"] > 0
+    assert sum(figures["routes"].values()) == len(run.turns)
