@@ -158,20 +158,49 @@ class TransferConfig(_Strict):
             "bidir: a turn with at most this many tokens to compute (the prompt past the history its "
             "decode replica holds; a whole first prompt) skips the prefill leg: the session's decode "
             "replica computes them over its own prefix cache, as one engine would, and keeps the "
-            "turn's blocks for the next pull. Longer turns go through prefill, which pulls the "
-            "history. 0: every turn goes through prefill."
+            "turn's blocks for the next pull; under `placement: priced` only while the answers "
+            "streaming there stay within `itl_target_ms`. Longer turns go through prefill, which "
+            "pulls the history. 0 (with `decode_local_busy_tokens` 0): every turn goes through prefill."
         ),
     )
     decode_local_busy_tokens: int = Field(
         2048,
         ge=0,
         description=(
-            "bidir: while prefill legs are in flight, a turn with at most this many tokens to compute "
-            "goes to the session's decode replica instead when that gives its first token sooner: "
-            "the prefill legs ahead plus its own tokens take longer, at the paces this ingress "
-            "measured, than what that replica is computing alone plus its own. Spreads a burst of "
-            "turns over both engines instead of queueing them on prefill; the new tokens share "
-            "decode's steps with the answers it streams. 0: only `decode_local_tokens` applies."
+            "bidir: a longer turn with at most this many tokens to compute goes to the session's "
+            "decode replica instead when that gives its first token sooner, at the paces this ingress "
+            "measured (`placement: priced`: prefill's queue, compute and hand-off against the "
+            "replica's decode-local turns, compute and its streams' steps, and only while those "
+            "streams stay within `itl_target_ms`; `static`: only while prefill legs are in flight, "
+            "queue and compute only). 0: only `decode_local_tokens` applies."
+        ),
+    )
+    placement: Literal["priced", "static"] = Field(
+        "priced",
+        description=(
+            "bidir: how a turn's place is chosen (`app.placement`). 'priced' weighs the turn's first "
+            "token via decode and via prefill and what computing it on decode costs the answers "
+            "streaming there; 'static' is the older rule, from the turn's own first token only."
+        ),
+    )
+    itl_target_ms: float = Field(
+        50.0,
+        gt=0,
+        description=(
+            "The inter-token latency the answers streaming on a decode replica should keep (the "
+            "fleet study's target, ITL p99 50 ms): `placement: priced` computes no turn on a decode "
+            "replica whose streams' steps it would stretch past it."
+        ),
+    )
+    decode_chunk_tokens: int = Field(
+        256,
+        ge=0,
+        description=(
+            "P/D modes: a decode engine computes at most this many tokens of a prompt per step "
+            "(vLLM chunked prefill: `long_prefill_token_threshold`, and `max_num_batched_tokens` "
+            "this plus `max_num_seqs`), so a turn computed there stretches its streams' steps by a "
+            "bounded amount. Size it to what the decode engine computes within `itl_target_ms` less "
+            "a step. 0: vLLM's own budget. A role's `engine_kwargs` override it."
         ),
     )
     idle_poll_ms: float = Field(

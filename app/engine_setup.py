@@ -125,8 +125,43 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=True
         )
+    kwargs.update(decode_chunking(cfg, role))
     kwargs.update(role.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
+
+
+VLLM_DEFAULT_MAX_NUM_SEQS = 128
+"""vLLM's `max_num_seqs` for an engine built from `AsyncEngineArgs` (its engine usage
+context) when a role's `engine_kwargs` set none."""
+
+
+def decode_chunking(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, int]:
+    """Chunked-prefill arguments of a decode engine in the P/D modes (`role is cfg.decode`,
+    as the builder binds it): a prompt computed there (a decode-local turn, a recompute)
+    takes at most `transfer.decode_chunk_tokens` tokens a step, and a step has room for one
+    token of every running stream besides (`max_num_batched_tokens`), so each step that
+    computes a prompt grows by a bounded amount (`app.placement` prices it). Empty for
+    other engines, with `decode_chunk_tokens` 0, and where `engine_kwargs` set either."""
+    chunk = min(cfg.transfer.decode_chunk_tokens, cfg.max_model_len)
+    own = ("long_prefill_token_threshold", "max_num_batched_tokens")
+    if role is not cfg.decode or not cfg.disaggregated or chunk <= 0:
+        return {}
+    if any(key in role.engine_kwargs for key in own):
+        return {}
+    seqs = int(role.engine_kwargs.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS)
+    return {"long_prefill_token_threshold": chunk, "max_num_batched_tokens": chunk + seqs}
+
+
+def decode_prompt_chunk(cfg: AppConfig) -> int:
+    """The most tokens of a prompt a decode engine computes in one step, as its engine
+    arguments set it (`decode_chunking`, or the decode role's own `engine_kwargs`); 0:
+    not bounded by the app (a whole prompt within vLLM's default budget). Read by the
+    ingress to price a decode-local turn (`app.placement.Limits.chunk_tokens`)."""
+    if not cfg.disaggregated:
+        return 0
+    args = {**decode_chunking(cfg, cfg.decode), **cfg.decode.engine_kwargs}
+    values = [int(args[k]) for k in ("long_prefill_token_threshold", "max_num_batched_tokens") if args.get(k)]
+    return min(values) if values else 0
 
 
 def plugin_env(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 
+from app.placement import Reason as Placed
 from connector.events import Miss
 from connector.records import HandleState
 
@@ -100,6 +101,15 @@ class TurnCount(enum.StrEnum):
     DECODE_LOCAL = "decode_local"
     DECODE_LOCAL_BUSY = "decode_local_busy"
     DECODE_LOCAL_CACHED_TOKENS = "decode_local_cached_tokens"
+    # Why (`app.placement.Reason`): on decode (short, sooner, busy) or through prefill.
+    PLACED_SHORT = "placed_short"
+    PLACED_SOONER = "placed_sooner"
+    PLACED_BUSY = "placed_busy"
+    PLACED_TOO_LONG = "placed_too_long"
+    PLACED_ITL = "placed_itl"
+    PLACED_LATER = "placed_later"
+    PLACED_IDLE = "placed_idle"
+    PLACED_NO_REPLICA = "placed_no_replica"
     # The prefill leg.
     PREFILL_TIMEOUT = "prefill_timeout"
     PREFILL_SKIPPED = "prefill_skipped"
@@ -168,6 +178,8 @@ _UNRELEASED = {
     HandleState.DROPPED,
     HandleState.NO_HANDLE,
 }
+if not {f"placed_{r.value}" for r in Placed} <= {c.value for c in TurnCount}:
+    raise RuntimeError("a placement reason has no TurnCount")
 if not {m.value for m in Miss} <= {m.value for m in MissReason}:
     raise RuntimeError("a store miss reason has no MissReason")
 if not {f"release_{s.value}" for s in HandleState if s not in _UNRELEASED} <= {c.value for c in TurnCount}:

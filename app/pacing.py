@@ -2,18 +2,26 @@
 comes sooner.
 
 `Turns` (one per ingress replica) keeps one `LegPace` for the prefill pool and one per
-decode replica for the turns it computes alone (`LocalLeg`). The pace gives a leg that
-pulls history a deadline that covers its compute, and `decode_local_reason` decides
-whether a turn skips prefill. Everything here is this ingress's view: with several
-ingress replicas each counts only the legs it sent. Pure logic, no I/O.
+decode replica for the turns it computes alone (`LocalLeg`), and a `DecodeStreams`: per
+decode replica the answers streaming there and their pace per token, and the hand-off of
+P/D turns (decode's read of prefill's blocks to its first output). The pace gives a leg
+that pulls history a deadline that covers its compute; all of it feeds `app.placement`,
+which decides whether a turn skips prefill. Everything here is this ingress's view: with
+several ingress replicas each counts only the legs and streams it sent. No I/O beyond
+passing engine calls through.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
 
-from app.config import TransferConfig
+from app.wire import EngineChunk, EngineRequest
+from connector.handle import KVHandle, Location, WireError
+
+if TYPE_CHECKING:
+    from app.turn_model import EngineClients
 
 
 class LegPace:
@@ -86,25 +94,93 @@ class LocalLeg:
             self._pace.observe(computed_tokens, self._to_first, self._ahead)
 
 
-def decode_local_reason(
-    transfer: TransferConfig, new_tokens: int, prefill: LegPace, local: LegPace | None
-) -> Literal["short", "busy"] | None:
-    """Why a turn that computes `new_tokens` past the history its decode replica holds
-    goes to that replica alone, or None (it goes through prefill). `local`: that
-    replica's pace (None: the session has no replica yet).
+class Ewma:
+    """A moving average of observations (None until the first)."""
 
-    * "short": few tokens to compute (`transfer.decode_local_tokens`): a P/D leg would
-      cost more than it saves.
-    * "busy": prefill has legs in flight and the turn (at most
-      `transfer.decode_local_busy_tokens` to compute) would get its first token sooner
-      from its decode replica: the prefill legs ahead plus its own tokens, at the prefill
-      pool's pace, take longer than the turns that replica is computing alone plus its
-      own, at its pace (the prefill pool's until it has one).
-    """
-    if new_tokens <= transfer.decode_local_tokens:
-        return "short"
-    if new_tokens > transfer.decode_local_busy_tokens or local is None or prefill.tokens_in_flight <= 0:
-        return None
-    on_prefill = prefill.expected(new_tokens)
-    on_decode = local.expected(new_tokens, prefill.seconds_per_token)
-    return "busy" if on_decode < on_prefill else None
+    def __init__(self, weight: float = 0.2):
+        self._weight = weight
+        self.value: float | None = None
+
+    def observe(self, value: float) -> None:
+        old = self.value
+        self.value = value if old is None else old + self._weight * (value - old)
+
+
+class ReplicaStreams:
+    """The answers this ingress has streaming on one decode replica (counted from their
+    first output to their end) and the seconds per token they get lately: the replica's
+    step time under its running batch, as its streams see it."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.seconds_per_token = Ewma()
+
+
+class DecodeStreams:
+    """Per decode replica, its `ReplicaStreams`; and the hand-off of P/D turns. Fed by
+    every decode call of the ingress's turns (`watch` wraps the engine clients the legs
+    use), read by `Turns._decode_local`."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, ReplicaStreams] = {}
+        self.handoff = Ewma()
+        """Seconds from a P/D turn's decode call (reading prefill's blocks) to its first output."""
+
+    def of(self, replica: str) -> ReplicaStreams:
+        streams = self.replicas.get(replica)
+        if streams is None:
+            streams = self.replicas[replica] = ReplicaStreams()
+        return streams
+
+    def watch(self, clients: EngineClients) -> EngineClients:
+        """`clients`, with every decode stream counted here."""
+        return cast("EngineClients", _WatchedClients(clients, self))
+
+    async def stream(
+        self, request: EngineRequest, chunks: AsyncIterator[tuple[EngineChunk, str]]
+    ) -> AsyncIterator[tuple[EngineChunk, str]]:
+        """Pass a decode call's chunks through, counting its stream on the replica that
+        answers and timing its tokens (and, for a P/D turn, its hand-off)."""
+        started = time.monotonic()
+        last: float | None = None
+        counted: ReplicaStreams | None = None
+        try:
+            async for chunk, replica in chunks:
+                now = time.monotonic()
+                if last is None:
+                    if replica:
+                        counted = self.of(replica)
+                        counted.streams += 1
+                    if _reads_from_prefill(request):
+                        self.handoff.observe(now - started)
+                    last = now
+                elif chunk.token_ids:
+                    if counted is not None:
+                        counted.seconds_per_token.observe((now - last) / len(chunk.token_ids))
+                    last = now
+                yield chunk, replica
+        finally:
+            if counted is not None:
+                counted.streams -= 1
+
+
+class _WatchedClients:
+    """Engine clients whose decode calls go through `DecodeStreams.stream`; everything
+    else is the wrapped clients'."""
+
+    def __init__(self, clients: EngineClients, streams: DecodeStreams):
+        self._clients = clients
+        self._streams = streams
+
+    def decode(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
+        return self._streams.stream(request, self._clients.decode(request))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._clients, name)
+
+
+def _reads_from_prefill(request: EngineRequest) -> bool:
+    try:
+        return KVHandle.from_wire(request.kv_params).location is Location.PREFILL
+    except WireError:
+        return False

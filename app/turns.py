@@ -8,7 +8,7 @@ follows the flow, one step a call:
               (token-in/token-out); `_fit`: the context length
     handle    `_verified_history`: verify the claimed handle token by token, cap it to
               the common prefix, or say why not (`app.events.MissReason`)
-    route     `_decode_local` (`app.pacing`): the session's decode replica alone, or P/D
+    route     `_decode_local` (`app.placement`): the session's decode replica alone, or P/D
     prefill   `Legs.prefill` (`app.legs`): pull that KV from decode, compute the rest
     decode    `Legs.decode`: read back only what it lacks, stream (another replica if one
               fails: from the start before the client saw output, else going on with the
@@ -31,14 +31,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal
 
 from app.config import AppConfig, Mode
+from app.engine_setup import decode_prompt_chunk
 from app.errors import APIError, DecodeFailed, RateLimited
 from app.events import MissReason, TurnCount
 from app.legs import Continued, Legs, Restart
 from app.memory import DecodeMemory
-from app.pacing import LegPace, LocalLeg, decode_local_reason
+from app.pacing import DecodeStreams, LegPace, LocalLeg
+from app.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from app.turn_model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.wire import EngineChunk, EngineRequest, Sampling
 from connector.handle import KVHandle, WireError, local_decode_params
@@ -58,7 +59,9 @@ class Turns:
         self.local_pace: dict[str, LegPace] = {}
         """Per decode replica: the turns it computes alone (`_decode_local`)."""
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
-        self._legs = Legs(cfg, clients, self.counts, self.pace)
+        self.streams = DecodeStreams()
+        """Per decode replica: the answers streaming there, their pace; P/D hand-offs."""
+        self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
         started = time.monotonic()
@@ -80,7 +83,7 @@ class Turns:
                 # leg, no transfer. The claimed handle is left unread (released early).
                 decode_params = local_decode_params()
                 self.counts[TurnCount.DECODE_LOCAL] += 1
-                if local == "busy":
+                if local in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
                     self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
             elif self._cfg.disaggregated:
                 decode_params, cached, pull_ok = await self._legs.prefill(
@@ -323,10 +326,11 @@ class Turns:
 
     def _decode_local(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
-    ) -> Literal["short", "busy"] | None:
-        """Whether the session's decode replica computes this turn alone
-        (`app.pacing.decode_local_reason`): bidir, with that replica's prefix cache
-        holding the history (or no history at all)."""
+    ) -> Reason | None:
+        """Why the session's decode replica computes this turn alone, or None (through
+        prefill): bidir, with that replica's prefix cache holding the history (or no
+        history at all), and `app.placement` choosing it from this ingress's measured
+        loads (`transfer.placement`). Each choice is counted as `placed_<reason>`."""
         if not self._cfg.reuses_kv:
             return None
         replica = conv.decode_replica if conv is not None else None
@@ -336,9 +340,25 @@ class Turns:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None
-        return decode_local_reason(
-            self._cfg.transfer, new_tokens, self.pace, self._local_pace(replica) if replica else None
+        t = self._cfg.transfer
+        chunk = decode_prompt_chunk(self._cfg)
+        limits = Limits(t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, chunk)
+        prefill = PrefillLoad(
+            self.pace.seconds_per_token, self.pace.tokens_in_flight, self.streams.handoff.value
         )
+        decode = None
+        if replica:
+            local, streams = self._local_pace(replica), self.streams.of(replica)
+            decode = DecodeLoad(
+                local.seconds_per_token,
+                local.tokens_in_flight,
+                streams.streams,
+                streams.seconds_per_token.value,
+            )
+        policy = place if t.placement == "priced" else place_static
+        placement = policy(new_tokens, prefill, decode, limits)
+        self.counts[TurnCount(f"placed_{placement.reason}")] += 1
+        return placement.reason if placement.local else None
 
     def _local_pace(self, replica: str) -> LegPace:
         pace = self.local_pace.get(replica)

@@ -1,0 +1,158 @@
+"""Where a bidir turn's new tokens are computed: on the session's decode replica alone
+("decode-local": no prefill leg, no transfer) or through prefill (pull the history,
+compute, hand the KV to decode).
+
+`Turns._decode_local` calls `place` (or `place_static`, the older rule) once per turn
+that could run on its decode replica, with the loads this ingress measured
+(`app.pacing`): plain numbers, so a simulator can drive it with simulated time. Pure
+logic: no clock, no I/O, no Ray or vLLM.
+
+The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
+
+* its first token: via prefill in `p * (P + n) + h` (prefill's seconds per token `p`,
+  the tokens of prefill legs in flight `P`, the hand-off `h`: decode's read of the
+  blocks to its first output); via decode in `d * (D + n) + ceil((D + n) / C) * s`
+  (the replica's own pace `d` computing prompts, the tokens of decode-local turns in
+  flight there `D`, its prompt budget per step `C`, and one step of its streams `s`
+  per chunk while it has any);
+* its streams: each step that computes a chunk of the prompt takes `s + d * min(D + n,
+  C)`; with streams running there it must stay within the ITL target.
+
+Decode-local when the turn is short (at most `short_tokens`) or comes sooner, and the
+streams stay within target either way; otherwise prefill. Until the replica's own pace
+is measured, prefill's stands in for it and the hand-off is not counted as a saving:
+only a queue on prefill can make decode sooner.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Reason(enum.StrEnum):
+    """Why a turn went where it went (counted as `placed_<reason>`, `app.events.TurnCount`)."""
+
+    SHORT = "short"
+    """Decode: few tokens to compute; a P/D leg would cost more than it saves."""
+    SOONER = "sooner"
+    """Decode: its first token comes sooner there, and its streams stay within target."""
+    BUSY = "busy"
+    """Decode (the static rule): prefill is busy and decode answers sooner."""
+    TOO_LONG = "too_long"
+    """Prefill: more tokens than decode is ever given."""
+    ITL = "itl"
+    """Prefill: computing it on decode would push its streams' steps past the ITL target."""
+    LATER = "later"
+    """Prefill: its first token comes no later through prefill (or nothing is measured)."""
+    IDLE = "idle"
+    """Prefill (the static rule): prefill has no leg in flight."""
+    NO_REPLICA = "no_replica"
+    """Prefill: the session has no decode replica yet whose load could be priced."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The policy's settings (from `TransferConfig`)."""
+
+    short_tokens: int
+    """Turns computing at most this many tokens go to decode whenever its streams allow."""
+    max_tokens: int
+    """Longer turns up to this many tokens go to decode only when priced sooner."""
+    itl_target_s: float
+    """The streams' inter-token latency target (seconds)."""
+    chunk_tokens: int = 0
+    """Prompt tokens a decode engine computes per step; 0: a whole prompt in one step."""
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """The prefill pool as this ingress sees it."""
+
+    seconds_per_token: float | None
+    """Seconds per computed prompt token, queueing behind legs included; None: unmeasured."""
+    tokens_in_flight: int = 0
+    """New tokens of the prefill legs in flight."""
+    handoff_s: float | None = None
+    """Seconds from a P/D turn's decode call to its first output; None: unmeasured."""
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """One decode replica as this ingress sees it."""
+
+    seconds_per_token: float | None
+    """Seconds per prompt token of the turns it computes alone; None: unmeasured."""
+    tokens_in_flight: int = 0
+    """New tokens of decode-local turns in flight there, before their first token."""
+    streams: int = 0
+    """Answers it is streaming (past their first token)."""
+    seconds_per_step: float | None = None
+    """Seconds per generated token of those streams lately (its step time); None: unmeasured."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The decision, with the estimates behind it (seconds; None where not priced)."""
+
+    local: bool
+    reason: Reason
+    decode_s: float | None = None
+    prefill_s: float | None = None
+    stream_step_s: float | None = None
+    """A stream's step on decode while it computes a chunk of the turn."""
+
+
+def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits) -> Placement:
+    """The priced rule: where a turn computing `new_tokens` (past the history its decode
+    replica holds) goes. `decode`: the session's decode replica (None: it has none yet;
+    then only the short rule applies)."""
+    if new_tokens > max(limits.short_tokens, limits.max_tokens):
+        return Placement(False, Reason.TOO_LONG)
+    if decode is None:
+        short = new_tokens <= limits.short_tokens
+        return Placement(short, Reason.SHORT if short else Reason.NO_REPLICA)
+    measured = decode.seconds_per_token is not None
+    pace = decode.seconds_per_token if measured else prefill.seconds_per_token
+    tokens = decode.tokens_in_flight + new_tokens
+    chunk = min(tokens, limits.chunk_tokens) if limits.chunk_tokens > 0 else tokens
+    step = decode.seconds_per_step or 0.0
+    stream_step = step + (pace or 0.0) * chunk
+    if decode.streams > 0 and pace is not None and stream_step > limits.itl_target_s:
+        return Placement(False, Reason.ITL, stream_step_s=stream_step)
+    if new_tokens <= limits.short_tokens:
+        return Placement(True, Reason.SHORT, stream_step_s=stream_step)
+    if prefill.seconds_per_token is None or pace is None:
+        return Placement(False, Reason.LATER)
+    handoff = prefill.handoff_s or 0.0
+    on_prefill = prefill.seconds_per_token * (prefill.tokens_in_flight + new_tokens) + handoff
+    steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
+    on_decode = pace * tokens + (steps * step if decode.streams > 0 else 0.0)
+    if not measured:
+        on_decode += handoff  # an unmeasured replica: only prefill's queue is a saving
+    sooner = on_decode < on_prefill
+    return Placement(sooner, Reason.SOONER if sooner else Reason.LATER, on_decode, on_prefill, stream_step)
+
+
+def place_static(
+    new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits
+) -> Placement:
+    """The static rule (`transfer.placement: static`), from the turn's own first token
+    only: decode when it computes at most `short_tokens`; while prefill has legs in
+    flight, also when it computes at most `max_tokens` and the prefill legs ahead plus
+    its own tokens take longer at prefill's pace than the replica's decode-local turns
+    plus its own at the replica's (prefill's until measured). Streams are not priced."""
+    if new_tokens <= limits.short_tokens:
+        return Placement(True, Reason.SHORT)
+    if new_tokens > limits.max_tokens:
+        return Placement(False, Reason.TOO_LONG)
+    if decode is None:
+        return Placement(False, Reason.NO_REPLICA)
+    if prefill.tokens_in_flight <= 0:
+        return Placement(False, Reason.IDLE)
+    on_prefill = (prefill.seconds_per_token or 0.0) * (prefill.tokens_in_flight + new_tokens)
+    pace = decode.seconds_per_token if decode.seconds_per_token is not None else prefill.seconds_per_token
+    on_decode = (pace or 0.0) * (decode.tokens_in_flight + new_tokens)
+    sooner = on_decode < on_prefill
+    return Placement(sooner, Reason.BUSY if sooner else Reason.LATER, on_decode, on_prefill)

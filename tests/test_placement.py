@@ -1,0 +1,222 @@
+"""The placement policy (`app.placement`) on constructed loads, the decode engines' chunked
+prefill that it prices (`app.engine_setup.decode_chunking`), and the stream counts that
+feed it (`app.pacing.DecodeStreams`). No clock is read by the decisions: loads are numbers."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from app.config import AppConfig
+from app.events import TurnCount
+from app.pacing import DecodeStreams
+from app.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
+from app.wire import EngineChunk, EngineRequest, Sampling
+from connector.handle import KVHandle, Location, local_decode_params
+
+MS = 0.001
+LIMITS = Limits(short_tokens=512, max_tokens=2048, itl_target_s=50 * MS, chunk_tokens=256)
+PREFILL = PrefillLoad(seconds_per_token=0.1 * MS, tokens_in_flight=0, handoff_s=30 * MS)
+"""An idle prefill pool computing 10k tokens/s, with a 30 ms hand-off to decode."""
+
+
+def decode(pace: float | None = 0.1 * MS, ahead: int = 0, streams: int = 0, step_ms: float | None = None):
+    return DecodeLoad(pace, ahead, streams, None if step_ms is None else step_ms * MS)
+
+
+# -- the priced rule --------------------------------------------------------------------------
+
+
+def test_a_short_turn_on_an_idle_replica_stays_on_decode():
+    p = place(100, PREFILL, decode(), LIMITS)
+    assert p.local and p.reason is Reason.SHORT
+
+
+def test_a_short_turn_goes_to_prefill_when_it_would_stall_the_streams_past_target():
+    # 20 streams stepping at 45 ms: 300 more tokens of prompt at 0.1 ms fill the step past 50 ms.
+    busy = decode(streams=20, step_ms=45)
+    p = place(300, PREFILL, busy, LIMITS)
+    assert not p.local and p.reason is Reason.ITL
+    assert p.stream_step_s == pytest.approx((45 + 0.1 * 256) * MS)  # one chunk of the 300 a step
+    # A turn small enough to fit the step's headroom still goes there.
+    q = place(40, PREFILL, busy, LIMITS)
+    assert q.local and q.reason is Reason.SHORT and q.stream_step_s <= LIMITS.itl_target_s
+
+
+def test_chunking_bounds_what_a_long_turn_adds_to_each_step():
+    streams = decode(streams=8, step_ms=20)
+    chunked = place(2000, PREFILL, streams, LIMITS)
+    assert chunked.stream_step_s == pytest.approx((20 + 0.1 * 256) * MS)
+    whole = place(2000, PREFILL, streams, Limits(512, 2048, 50 * MS, chunk_tokens=0))
+    assert not whole.local and whole.reason is Reason.ITL
+    assert whole.stream_step_s == pytest.approx((20 + 0.1 * 2000) * MS)
+
+
+def test_decode_local_turns_in_flight_count_in_the_step():
+    # Alone, 100 tokens add 10 ms to a 30 ms step; behind 200 in flight a full chunk adds 25.6 ms.
+    alone = place(100, PREFILL, decode(streams=4, step_ms=30), LIMITS)
+    assert alone.local and alone.stream_step_s == pytest.approx(40 * MS)
+    behind = place(100, PREFILL, decode(ahead=200, streams=4, step_ms=30), LIMITS)
+    assert not behind.local and behind.reason is Reason.ITL
+    assert behind.stream_step_s == pytest.approx(55.6 * MS)
+
+
+def test_a_longer_turn_goes_to_decode_when_it_answers_sooner_there():
+    # Idle replica, measured: the same compute without the hand-off.
+    p = place(1500, PREFILL, decode(), LIMITS)
+    assert p.local and p.reason is Reason.SOONER
+    assert p.decode_s == pytest.approx(0.15) and p.prefill_s == pytest.approx(0.15 + 0.03)
+
+
+def test_a_longer_turn_stays_on_prefill_when_decode_is_slower_or_queued():
+    slow = place(1500, PREFILL, decode(pace=0.2 * MS), LIMITS)
+    assert not slow.local and slow.reason is Reason.LATER
+    queued = place(1500, PREFILL, decode(ahead=1000), LIMITS)
+    assert not queued.local and queued.reason is Reason.LATER
+
+
+def test_the_streams_steps_count_against_decode_for_each_chunk():
+    # 1,500 tokens in 6 chunks, each a step of 8 ms of streams: +48 ms, more than the hand-off.
+    p = place(1500, PREFILL, decode(streams=2, step_ms=8), LIMITS)
+    assert not p.local and p.reason is Reason.LATER
+    assert p.decode_s == pytest.approx(0.15 + 6 * 0.008)
+    # With prefill queued, the same turn is sooner on decode.
+    queued = PrefillLoad(0.1 * MS, tokens_in_flight=3000, handoff_s=30 * MS)
+    assert place(1500, queued, decode(streams=2, step_ms=8), LIMITS).reason is Reason.SOONER
+
+
+def test_an_unmeasured_replica_saves_only_prefills_queue():
+    unmeasured = decode(pace=None)
+    # Idle prefill: the hand-off alone is not taken as a saving.
+    assert place(1500, PREFILL, unmeasured, LIMITS).reason is Reason.LATER
+    # Prefill has 2,000 tokens ahead: decode, at prefill's pace, is sooner.
+    queued = PrefillLoad(0.1 * MS, tokens_in_flight=2000, handoff_s=30 * MS)
+    p = place(1500, queued, unmeasured, LIMITS)
+    assert p.local and p.reason is Reason.SOONER
+
+
+def test_nothing_measured_keeps_the_short_rule_and_sends_the_rest_to_prefill():
+    cold = PrefillLoad(None)
+    assert place(300, cold, decode(pace=None, streams=3), LIMITS).reason is Reason.SHORT
+    assert place(1000, cold, decode(pace=None), LIMITS).reason is Reason.LATER
+
+
+def test_limits_bound_what_decode_is_ever_given():
+    assert place(3000, PREFILL, decode(), LIMITS).reason is Reason.TOO_LONG
+    off = Limits(0, 0, 50 * MS, 256)
+    assert place(1, PREFILL, decode(), off).reason is Reason.TOO_LONG
+    short_only = Limits(512, 0, 50 * MS, 256)
+    assert place(500, PREFILL, decode(), short_only).reason is Reason.SHORT
+    assert place(600, PREFILL, decode(), short_only).reason is Reason.TOO_LONG
+
+
+def test_a_session_without_a_replica_gets_only_the_short_rule():
+    assert place(100, PREFILL, None, LIMITS).reason is Reason.SHORT
+    assert place(1000, PREFILL, None, LIMITS).reason is Reason.NO_REPLICA
+
+
+def test_an_overloaded_replica_takes_nothing():
+    over = decode(streams=30, step_ms=60)
+    p = place(1, PREFILL, over, LIMITS)
+    assert not p.local and p.reason is Reason.ITL
+
+
+# -- the static rule (transfer.placement: static) -----------------------------------------------
+
+
+def test_the_static_rule_ignores_the_streams():
+    over = decode(streams=30, step_ms=60)
+    assert place_static(300, PREFILL, over, LIMITS).reason is Reason.SHORT
+    assert place_static(1500, PREFILL, decode(), LIMITS).reason is Reason.IDLE
+    busy = PrefillLoad(0.1 * MS, tokens_in_flight=2000)
+    assert place_static(1500, busy, over, LIMITS).reason is Reason.BUSY
+    assert place_static(1500, busy, decode(pace=1 * MS), LIMITS).reason is Reason.LATER
+    assert place_static(3000, busy, decode(), LIMITS).reason is Reason.TOO_LONG
+    assert place_static(1500, busy, None, LIMITS).reason is Reason.NO_REPLICA
+
+
+def test_every_reason_has_its_counter():
+    assert {f"placed_{r}" for r in Reason} <= {c.value for c in TurnCount}
+
+
+# -- the decode engines' chunked prefill ---------------------------------------------------------
+
+
+def config(**transfer) -> AppConfig:
+    return AppConfig.from_args({"model": "m", "max_model_len": 4096, "transfer": transfer})
+
+
+def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_do_not():
+    from app.engine_setup import decode_chunking, decode_prompt_chunk
+
+    cfg = config(decode_chunk_tokens=192)
+    assert decode_chunking(cfg, cfg.decode) == {
+        "long_prefill_token_threshold": 192,
+        "max_num_batched_tokens": 192 + 128,
+    }
+    assert decode_chunking(cfg, cfg.prefill) == {}
+    assert decode_prompt_chunk(cfg) == 192
+    # The role as a Serve replica gets it (its constructor arguments in one pickle).
+    bound, role = pickle.loads(pickle.dumps((cfg, cfg.decode)))
+    assert decode_chunking(bound, role)["long_prefill_token_threshold"] == 192
+
+
+def test_chunking_follows_the_roles_own_engine_args_and_can_be_off():
+    from app.engine_setup import decode_chunking, decode_prompt_chunk
+
+    seqs = AppConfig.from_args({"model": "m", "decode": {"engine_kwargs": {"max_num_seqs": 64}}})
+    assert decode_chunking(seqs, seqs.decode)["max_num_batched_tokens"] == 256 + 64
+    own = AppConfig.from_args({"model": "m", "decode": {"engine_kwargs": {"max_num_batched_tokens": 512}}})
+    assert decode_chunking(own, own.decode) == {} and decode_prompt_chunk(own) == 512
+    off = config(decode_chunk_tokens=0)
+    assert decode_chunking(off, off.decode) == {} and decode_prompt_chunk(off) == 0
+    single = AppConfig.from_args({"model": "m", "mode": "single"})
+    assert decode_chunking(single, single.decode) == {} and decode_prompt_chunk(single) == 0
+
+
+def test_defaults_are_the_fleet_target_and_the_priced_rule():
+    t = AppConfig.from_args({"model": "m"}).transfer
+    assert (t.placement, t.itl_target_ms, t.decode_chunk_tokens) == ("priced", 50.0, 256)
+
+
+# -- the stream counts that feed it ---------------------------------------------------------------
+
+
+class Engines:
+    def __init__(self):
+        self.replica = "decode-0"
+
+    async def decode(self, request: EngineRequest):
+        for i in range(3):
+            yield EngineChunk(token_ids=(i,), text="x", finished=i == 2), self.replica
+
+    def decode_alive(self, replica_id: str) -> bool | None:
+        return True
+
+
+def request(kv_params) -> EngineRequest:
+    return EngineRequest("r", (1, 2, 3), Sampling(max_tokens=3), kv_params=kv_params)
+
+
+async def test_streams_are_counted_on_their_replica_while_they_stream():
+    streams = DecodeStreams()
+    clients = streams.watch(Engines())
+    assert clients.decode_alive("decode-0") is True  # everything else passes through
+    seen = []
+    async for _, replica in clients.decode(request(local_decode_params())):
+        seen.append(streams.of(replica).streams)
+    assert seen == [1, 1, 1] and streams.of("decode-0").streams == 0
+    assert streams.of("decode-0").seconds_per_token.value is not None
+    assert streams.handoff.value is None  # computed on decode: no hand-off
+
+
+async def test_a_pd_turns_first_output_is_its_hand_off_and_a_broken_stream_is_uncounted():
+    streams = DecodeStreams()
+    handle = KVHandle(Location.PREFILL, "p-0", "req", ((1, 2),), "127.0.0.1", 5600, 32)
+    clients = streams.watch(Engines())
+    stream = clients.decode(request(handle.to_wire()))
+    await anext(stream)
+    assert streams.handoff.value is not None and streams.of("decode-0").streams == 1
+    await stream.aclose()  # the client went away mid-answer
+    assert streams.of("decode-0").streams == 0
