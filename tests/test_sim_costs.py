@@ -65,15 +65,18 @@ def test_gpu_cost_from_published_figures():
     assert cost.decode_ctx_s == pytest.approx(1000 / 1e12)
 
 
-def _run(jobs: list[tuple[float, Job]], cost: EngineCost = COST) -> tuple[Engine, list[Job]]:
+def _run(
+    jobs: list[tuple[float, Job]], cost: EngineCost = COST, macro: bool = True
+) -> tuple[Engine, list[Job]]:
     env = simpy.Environment()
-    engine = Engine(env, cost, "e", 32)
+    engine = Engine(env, cost, "e", 32, macro_steps=macro)
     done: list[Job] = []
 
     def send(at: float, job: Job):
         yield env.timeout(at)
         engine.submit(job)
         yield job.done
+        job.tag = env.now
         done.append(job)
 
     for at, job in jobs:
@@ -96,10 +99,15 @@ def test_long_prompt_is_chunked():
     assert done[0].first_at == pytest.approx(COST.cold_prefill_s(1200))
 
 
-def test_tokens_and_blocks_are_conserved_under_load():
+def _load() -> list[tuple[float, Job]]:
     jobs = [(0.01 * i, Job(50 + 97 * i % 900, 40 * i, 1 + 13 * i % 40)) for i in range(40)]
     jobs += [(0.02 * i, Job(0, 300 + i, 7)) for i in range(10)]  # KV arrived over NIXL
     jobs += [(0.03 * i, Job(200, 100, 0)) for i in range(5)]  # prefill legs
+    return jobs
+
+
+def test_tokens_and_blocks_are_conserved_under_load():
+    jobs = _load()
     engine, done = _run(jobs)
     assert len(done) == len(jobs)
     assert engine.stats.computed_tokens == sum(j.new for _, j in jobs)
@@ -109,3 +117,17 @@ def test_tokens_and_blocks_are_conserved_under_load():
     # Every decoded token after a first one is one inter-token gap.
     gaps = sum(w for _, w in engine.stats.itl)
     assert gaps == sum(max(0, j.answer - 1) for _, j in jobs)
+
+
+def test_decode_stretches_keep_every_time():
+    """Decode-only steps run as one event give the same first and last token times as
+    step by step, arrivals mid-stretch included."""
+    jobs, reference = _load(), _load()
+    macro = _run(jobs, macro=True)[0]
+    stepwise = _run(reference, macro=False)[0]
+    for (_, a), (_, b) in zip(jobs, reference, strict=True):
+        assert a.first_at == pytest.approx(b.first_at, abs=1e-9)
+        assert a.tag == pytest.approx(b.tag, abs=1e-9)
+    assert macro.stats.steps == stepwise.stats.steps
+    assert macro.stats.busy_s == pytest.approx(stepwise.stats.busy_s)
+    assert sum(w for _, w in macro.stats.itl) == sum(w for _, w in stepwise.stats.itl)

@@ -71,9 +71,18 @@ class Engine:
     events; `queued_tokens` is what the router weighs."""
 
     def __init__(
-        self, env: simpy.Environment, cost: EngineCost, name: str, block_size: int, request_chunk: int = 0
+        self,
+        env: simpy.Environment,
+        cost: EngineCost,
+        name: str,
+        block_size: int,
+        request_chunk: int = 0,
+        macro_steps: bool = True,
     ):
         self.env = env
+        self.macro_steps = macro_steps
+        """Run stretches of decode-only steps as one event (same times; ITL kept per
+        stretch as its mean step, weighted by its tokens)."""
         self.request_chunk = request_chunk or cost.chunk_tokens
         """Prompt tokens of one request per step at most (vLLM's `long_prefill_token_threshold`)."""
         self.cost = cost
@@ -124,6 +133,9 @@ class Engine:
                 self._wake = self.env.event()
                 yield self._wake
                 continue
+            if self.macro_steps and not (self._waiting or self._joining):
+                yield from self._decode_stretch()
+                continue
             waited = len(self._running)
             for job in self._joining:
                 self._join(job)
@@ -141,6 +153,41 @@ class Engine:
             )
             yield self.env.timeout(dt)
             self._after_step(dt, waited, joined, chunks)
+
+    def _decode_stretch(self) -> Generator[Any, Any, None]:
+        """Steps that only decode, up to the next sequence's end, as one event: step `j`
+        of the stretch takes `a + d * (ctx + batch * j)`. A job submitted meanwhile
+        joins at the end of the step in progress, as it would step by step."""
+        batch, ctx = len(self._running), self._ctx
+        a, d = self.cost.step_s + self.cost.decode_seq_s * batch, self.cost.decode_ctx_s
+        k = max(1, self._finish[0][0] - self._step)
+
+        def elapsed(m: int) -> float:  # seconds of the stretch's first m steps
+            return m * a + d * (m * ctx + batch * m * (m - 1) / 2)
+
+        started = self.env.now
+        self._wake = self.env.event()
+        yield self.env.timeout(elapsed(k)) | self._wake
+        m = k
+        if self._wake.triggered:
+            # Interrupted: finish the step in progress, then hand back to the step loop.
+            m = 0
+            while m < k and elapsed(m + 1) <= self.env.now - started:
+                m += 1
+            if m < k:
+                m += 1
+                yield self.env.timeout(max(0.0, started + elapsed(m) - self.env.now))
+        self._steps_done(m, elapsed(m), batch)
+
+    def _steps_done(self, m: int, seconds: float, batch: int) -> None:
+        st = self.stats
+        self._step += m
+        st.steps += m
+        st.busy_s += seconds
+        st.decoded_tokens += batch * m
+        st.itl.append((seconds / m, batch * m))
+        self._ctx += batch * m
+        self._finished()
 
     def _join(self, job: Job) -> None:
         self._blocks += blocks(job.context + job.answer, self.block_size)
@@ -179,6 +226,9 @@ class Engine:
                     st.decoded_tokens += 1
                 else:
                     job.done.succeed()
+        self._finished()
+
+    def _finished(self) -> None:
         while self._finish and self._finish[0][0] <= self._step:
             step, key = heapq.heappop(self._finish)
             ended = self._running.get(key)

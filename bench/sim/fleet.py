@@ -22,6 +22,7 @@ benchmark drives one deployment.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ class RunResult:
     computed_tokens: int = 0
     peak_pinned_blocks: int = 0
     store_calls: int = 0
+    aborted: bool = False
+    """Stopped once too many turns missed the TTFT bound for its quantile to hold."""
 
     @property
     def wall_s(self) -> float:
@@ -139,17 +142,31 @@ class Fleet:
                 self.store.set_engine_capacity(e.name, hw.kv_blocks)
         self._affinity: dict[str, Engine] = {}
         self._result = RunResult()
+        self._bound: tuple[float, int] | None = None
+        self._late = 0
+        self._abort = self.env.event()
 
     # -- driving -------------------------------------------------------------------------
 
-    def run(self, trace: Trace) -> RunResult:
-        """Every session of `trace`, from now; returns when the last answer ended."""
+    def run(self, trace: Trace, ttft_bound: tuple[float, float] | None = None) -> RunResult:
+        """Every session of `trace`, from now; returns when the last answer ended.
+
+        `ttft_bound` (seconds, quantile): stop as soon as more turns took longer than
+        the bound than the quantile allows (the level has missed; `aborted`)."""
         self._result = result = RunResult(start_s=self.env.now)
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
         computed_from = sum(e.stats.computed_tokens for e in engines)
+        self._bound = None
+        self._abort = self.env.event()
+        if ttft_bound is not None:
+            total = sum(len(s.turns) for s in trace.sessions)
+            allowed = total - math.ceil(ttft_bound[1] * total)
+            self._bound = (ttft_bound[0], allowed)
+            self._late = 0
         procs = [self.env.process(self._session(s, self.env.now)) for s in trace.sessions]
-        self.env.run(until=simpy.AllOf(self.env, procs))
+        self.env.run(until=simpy.AllOf(self.env, procs) | self._abort)
+        result.aborted = self._abort.triggered
         result.end_s = self.env.now
         result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
@@ -186,6 +203,10 @@ class Fleet:
     def _first(self, record: TurnResult, job: Job) -> None:
         assert job.first_at is not None
         record.ttft_s = job.first_at - record.start_s + self.spec.hw.ingress_s
+        if self._bound is not None and record.ttft_s > self._bound[0]:
+            self._late += 1
+            if self._late > self._bound[1] and not self._abort.triggered:
+                self._abort.succeed()
 
     # -- dp ------------------------------------------------------------------------------
 
@@ -227,7 +248,8 @@ class Fleet:
             job = yield from self._local_leg(target, prompt, prompt - history, answer, record, reason)
             outcome = TurnOutcome.UNUSED
         else:
-            pulled = yield from self._prefill_leg(prompt, history if mode != "oneway" else 0, record)
+            # Only a claimed handle can be pulled (bidir-nopin's history is decode's cache).
+            pulled = yield from self._prefill_leg(prompt, history if claim is not None else 0, record)
             outcome = TurnOutcome.PULLED if pulled else TurnOutcome.UNUSED
             target = self._decode_of(session)
             holds = history if (pulled and target is replica) else 0

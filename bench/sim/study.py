@@ -34,8 +34,11 @@ def weighted_quantile(samples: list[tuple[float, int]], q: float) -> float | Non
     return samples[-1][0]
 
 
-def level_figures(run: RunResult, slo: SLO) -> dict[str, Any]:
-    """One level's figures, as `bench.fleet.level_stats` computes them from client records."""
+def level_figures(
+    run: RunResult, slo: SLO, edges: tuple[tuple[int, int], ...] = BUCKETS, long_tool: int = LONG_TOOL_TOKENS
+) -> dict[str, Any]:
+    """One level's figures, as `bench.fleet.level_stats` computes them from client
+    records; a run stopped early (`RunResult.aborted`) misses the target."""
     ttfts = [t.ttft_s for t in run.turns]
     ttft_p90 = nearest_rank(ttfts, 0.9)
     itl_p99 = weighted_quantile(run.itl, 0.99)
@@ -53,21 +56,23 @@ def level_figures(run: RunResult, slo: SLO) -> dict[str, Any]:
         "prompt_tokens": sum(t.prompt_tokens for t in run.turns),
         "computed_tokens": run.computed_tokens,
         "meets_slo": meets,
-        "buckets": buckets(run),
+        "buckets": buckets(run, edges, long_tool),
         "routes": _routes(run),
         "peak_pinned_blocks": run.peak_pinned_blocks,
         "store_calls_per_s": round(run.store_calls / wall, 1) if wall else 0.0,
     }
 
 
-def buckets(run: RunResult) -> dict[str, Any]:
+def buckets(
+    run: RunResult, edges: tuple[tuple[int, int], ...] = BUCKETS, long_tool: int = LONG_TOOL_TOKENS
+) -> dict[str, Any]:
     """TTFT p50 per history bucket and for turns with long tool results (`bench.fleet.buckets`)."""
     out: dict[str, Any] = {}
-    for low, high in BUCKETS:
+    for low, high in edges:
         group = [t.ttft_s for t in run.turns if low <= t.prompt_tokens < high]
         name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
         out[name] = {"turns": len(group), "ttft_p50_s": nearest_rank(group, 0.5)}
-    long = [t.ttft_s for t in run.turns if t.kind == "tool" and t.tokens >= LONG_TOOL_TOKENS]
+    long = [t.ttft_s for t in run.turns if t.kind == "tool" and t.tokens >= long_tool]
     out["long_tool"] = {"turns": len(long), "ttft_p50_s": nearest_rank(long, 0.5)}
     return out
 
