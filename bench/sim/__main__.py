@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines (dp: all engines)")
     p.add_argument("--plot", default="docs/bench-sim.png", help="where --project writes its plot")
+    p.add_argument(
+        "--ttft-p90", type=float, help="--project's TTFT p90 target in s (default: the fleet study's)"
+    )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     started = time.perf_counter()
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(validate.format_report(rows, gpu))
         out["validate"] = {"cpu": rows, "gpu": gpu}
     if args.project:
+        from bench.fleet import SLO
         from bench.sim import project
 
-        result = project.run()
+        result = project.run(slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None)
         print(project.format_table(result))
         project.plot(result, args.plot)
         print(f"plot: {args.plot}")

@@ -11,9 +11,10 @@ Per GPU count and mode, agents ramp over `AGENTS_PER_ENGINE` x engines (each lev
 fresh fleet after a warm-up session; a level stops as soon as its TTFT p90 cannot hold)
 until a level misses the fleet study's target (TTFT p90 <= 2 s, ITL p99 <= 50 ms). P/D
 modes try each prefill share in `PREFILL_SHARES`; the best is reported with its P:D.
-Reported: goodput (turns/s at the target) and its agents, TTFT p50 by history bucket at
-that level, the pinned KV's peak share of one decode engine's HBM, and the store's
-turns/s against one shard's measured capacity.
+Reported: goodput (turns/s at the target) and its agents; TTFT p50 by history bucket and
+ITL p99 at the level every mode ran (0.5 agents per engine); at the goodput level (else
+the first), the pinned KV's peak share of one decode engine's HBM and the store's turns/s
+against one shard's measured capacity.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ GPU_COUNTS = (8, 16, 32, 64)
 TP = 2
 MODES = ("dp", "oneway", "bidir-pd", "bidir", "bidir-nopin")
 """`bidir`: the app's default placement; `bidir-nopin`: the same without pinned handles."""
-AGENTS_PER_ENGINE = (1, 1.5, 2, 3, 4, 6, 8)
+AGENTS_PER_ENGINE = (0.5, 1, 1.5, 2, 3, 4, 6, 8)
 PREFILL_SHARES = (0.25, 0.5, 0.75)
 EDGES = ((0, 32_000), (32_000, 64_000), (64_000, 128_000), (128_000, 1 << 30))
 LONG_TOOL = 8_000
@@ -72,7 +73,7 @@ def ramp(spec: FleetSpec, engines: int, slo: SLO) -> dict[str, Any]:
     """Levels until the first miss; the best level that met the target (or the first)."""
     levels = []
     for per_engine in AGENTS_PER_ENGINE:
-        levels.append(_level(spec, round(per_engine * engines), slo))
+        levels.append(_level(spec, max(1, round(per_engine * engines)), slo))
         if not levels[-1]["meets_slo"]:
             break
     meeting = [lv for lv in levels if lv["meets_slo"]]
@@ -105,15 +106,21 @@ def run(hw: Hardware | None = None, slo: SLO | None = None) -> dict[str, Any]:
                     "prefill": pick["prefill"],
                     "decode": pick["decode"],
                     "goodput": pick["best"]["turns_per_s"] if pick["best"] else None,
-                    "agents": shown["agents"],
+                    "agents": pick["best"]["agents"] if pick["best"] else None,
                     "level": shown,
+                    "common": pick["levels"][0],
                     "splits": [
                         {"prefill": t["prefill"], "goodput": t["best"] and t["best"]["turns_per_s"]}
                         for t in tried
                     ],
                 }
             )
-    return {"hardware": hw.name, "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "hardware": hw.name,
+        "slo": {"ttft_p90_s": slo.ttft_p90_s, "itl_p99_s": slo.itl_p99_s},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def _s(value: float | None) -> str:
@@ -121,55 +128,61 @@ def _s(value: float | None) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    names = [f"{lo // 1000}-{hi // 1000}k" if hi < 1 << 30 else f"{lo // 1000}k+" for lo, hi in EDGES]
+    names = _bucket_names()
     lines = [
-        f"PROJECTION (simulated, not measured): {result['hardware']}, AgentX-shaped traces",
+        f"PROJECTION (simulated, not measured): {result['hardware']}, AgentX-shaped traces, target "
+        f"TTFT p90 <= {result['slo']['ttft_p90_s']} s, ITL p99 <= {result['slo']['itl_p99_s'] * 1e3:.0f} ms",
         "",
-        "| GPUs | mode | P:D | goodput (turns/s) | agents | TTFT p50 "
+        "| GPUs | mode | best P:D | goodput (turns/s) | agents | TTFT p50 "
         + " / ".join(names)
-        + " (s) | ITL p99 (ms) | pinned KV / HBM | store load |",
-        "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |",
+        + " (s) at 0.5 agents/engine | TTFT p90 (s) there | ITL p99 (ms) there | pinned KV / HBM (peak) "
+        "| store load |",
+        "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
-        lv = r["level"]
-        ttft = " / ".join(_s(lv["buckets"][n]["ttft_p50_s"]) for n in names)
+        lv, common = r["level"], r["common"]
+        ttft = " / ".join(_s(common["buckets"][n]["ttft_p50_s"]) for n in names)
         pd = "-" if r["mode"] == "dp" else f"{r['prefill']}:{r['decode']}"
-        itl = "-" if lv["itl_p99_s"] is None else f"{lv['itl_p99_s'] * 1e3:.0f}"
+        itl = "-" if common["itl_p99_s"] is None else f"{common['itl_p99_s'] * 1e3:.0f}"
+        agents = "-" if r["agents"] is None else str(r["agents"])
         lines.append(
-            f"| {r['gpus']} | {r['mode']} | {pd} | {_s(r['goodput'])} | {r['agents']} | {ttft} | {itl} | "
+            f"| {r['gpus']} | {r['mode']} | {pd} | {_s(r['goodput'])} | {agents} | {ttft} | "
+            f"{_s(common['ttft_p90_s'])} | {itl} | "
             f"{lv['pinned_hbm_share']:.0%} | {lv['store_load']:.2%} |"
         )
     lines.append(f"\n({result['seconds']} s)")
     return "\n".join(lines)
 
 
+def _bucket_names() -> list[str]:
+    return [f"{lo // 1000}-{hi // 1000}k" if hi < 1 << 30 else f"{lo // 1000}k+" for lo, hi in EDGES]
+
+
 def plot(result: dict[str, Any], path: str) -> None:
+    """Goodput against GPUs per mode, and TTFT p50 by history bucket at the largest fleet."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = _bucket_names()
+    most = max(GPU_COUNTS)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode in MODES:
         rows = [r for r in result["rows"] if r["mode"] == mode]
         left.plot([r["gpus"] for r in rows], [r["goodput"] or 0.0 for r in rows], marker="o", label=mode)
-        right.plot(
-            [r["gpus"] for r in rows], [r["level"]["pinned_hbm_share"] for r in rows], marker="o", label=mode
-        )
-    left.set(
-        xlabel="GPUs (H200, TP2 engines)",
-        ylabel="goodput (turns/s at the target)",
-        xscale="log",
-        xticks=GPU_COUNTS,
-    )
-    left.set_xticklabels([str(g) for g in GPU_COUNTS])
+        at = next(r for r in rows if r["gpus"] == most)["common"]["buckets"]
+        ys = [at[n]["ttft_p50_s"] for n in names]
+        right.plot(names, [y if y is not None else float("nan") for y in ys], marker="o", label=mode)
+    left.set_xscale("log", base=2)
+    left.minorticks_off()
+    left.set_xticks(GPU_COUNTS, [str(g) for g in GPU_COUNTS])
+    left.set(xlabel="GPUs (H200, TP2 engines)", ylabel="goodput (turns/s at the target)")
     right.set(
-        xlabel="GPUs",
-        ylabel="pinned KV, peak share of a decode engine's HBM",
-        xscale="log",
-        xticks=GPU_COUNTS,
+        xlabel="history (prompt tokens)",
+        ylabel=f"TTFT p50 (s), {most} GPUs, 0.5 agents/engine",
+        yscale="log",
     )
-    right.set_xticklabels([str(g) for g in GPU_COUNTS])
     left.legend(fontsize=8)
     fig.suptitle(f"PROJECTION (simulated, not measured): {result['hardware']}, AgentX-shaped traces")
     fig.tight_layout()
