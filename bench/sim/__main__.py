@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim import validate
 
         assert (shape := profile("fleet").trace) is not None
-        rows, gpu = validate.cpu_table(shape), validate.gpu_case()
+        levels: list[dict] = []
+        rows, gpu = validate.cpu_table(shape, levels_out=levels), validate.gpu_case()
         print(validate.format_report(rows, gpu))
-        out["validate"] = {"cpu": rows, "gpu": gpu}
+        print("\n" + validate.format_levels(levels))
+        out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu}
     if args.project:
         from bench.fleet import SLO
         from bench.sim import project
