@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate", action="store_true", help="simulated vs measured tables")
     p.add_argument("--project", action="store_true", help="GPU projections, markdown table and plot")
     p.add_argument("--params", action="store_true", help="every parameter and its source")
+    p.add_argument("--sensitivity", action="store_true", help="which figure each GPU parameter moves most")
     p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
     p.add_argument("--mode", default="bidir", choices=MODES)
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     out: dict = {}
     if args.params:
-        for hw in (cpu_fleet(), gpu_qwen3_32b(tp=2)):
+        from bench.sim.validate import fit_mfu
+
+        for hw in (cpu_fleet(), gpu_qwen3_32b(tp=2, mfu=fit_mfu())):
             print(f"\n{hw.name}:\n\n| parameter | value | source | moves most |\n| --- | --- | --- | --- |")
             for prm in hw.params:
                 print(f"| {prm.name} | {prm.value} | {prm.source} | {prm.moves} |")
@@ -61,13 +64,19 @@ def main(argv: list[str] | None = None) -> int:
         project.plot(result, args.plot)
         print(f"plot: {args.plot}")
         out["project"] = result
+    if args.sensitivity:
+        from bench.sim import project
+
+        sens = project.sensitivity()
+        print(project.format_sensitivity(sens))
+        out["sensitivity"] = sens
     if args.trace:
         hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
         fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))
         figures = level_figures(fleet.run(read_trace(args.trace)), _slo())
         print(json.dumps(figures, indent=2, default=str))
         out["trace"] = figures
-    if not out and not args.params:
+    if not out and not args.params:  # nothing asked
         p.print_help()
         return 2
     if args.out:

@@ -186,7 +186,19 @@ GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default gpu_memory_utilization: the share of HBM for weights and KV."""
 
 
-def gpu_qwen3_32b(tp: int = 8, gpu: str = "h200", mfu: float = 0.45) -> Hardware:
+def gpu_qwen3_32b(
+    tp: int = 8,
+    gpu: str = "h200",
+    mfu: float = 0.45,
+    *,
+    hbm_efficiency: float = GPU_HBM_EFFICIENCY,
+    step_overhead_s: float = GPU_STEP_OVERHEAD_S,
+    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
+    memory_utilization: float = GPU_MEMORY_UTILIZATION,
+) -> Hardware:
+    """Qwen3-32B engines of `tp` GPUs; the keyword arguments move one parameter off its
+    source (`bench.sim.project.sensitivity`)."""
     peak, hbm, bandwidth = GPUS[gpu]
     m = QWEN3_32B
     engine = gpu_cost(
@@ -199,11 +211,11 @@ def gpu_qwen3_32b(tp: int = 8, gpu: str = "h200", mfu: float = 0.45) -> Hardware
         peak_flops=peak,
         mfu=mfu,
         hbm_bytes_per_s=bandwidth,
-        hbm_efficiency=GPU_HBM_EFFICIENCY,
-        step_overhead_s=GPU_STEP_OVERHEAD_S,
+        hbm_efficiency=hbm_efficiency,
+        step_overhead_s=step_overhead_s,
         chunk_tokens=2048,
     )
-    kv_bytes = hbm * tp * GPU_MEMORY_UTILIZATION - m["weight_bytes"]
+    kv_bytes = hbm * tp * memory_utilization - m["weight_bytes"]
     src_gpu = f"NVIDIA {gpu.upper()} datasheet"
     params = (
         Param("model", "Qwen3-32B bf16", "Qwen3-32B config.json / model card", "-"),
@@ -218,8 +230,12 @@ def gpu_qwen3_32b(tp: int = 8, gpu: str = "h200", mfu: float = 0.45) -> Hardware
         ),
         Param("peak bf16", f"{peak / 1e12:.0f} TFLOP/s per GPU", src_gpu, "prefill time"),
         Param("HBM", f"{hbm / 1e9:.0f} GB, {bandwidth / 1e12:.2f} TB/s", src_gpu, "decode ITL, pinned KV"),
-        Param("TP", str(tp), "the published 1P1D ran TP8; projections TP2", "engines per GPU count"),
-        Param("MFU", f"{mfu:.2f}", "fitted to the published one-way TTFT 778 ms at 24k", "every TTFT"),
+        Param(
+            "TP", str(tp), "the published 1P1D ran TP8 (validation); projections TP2", "engines per GPU count"
+        ),
+        Param(
+            "MFU", f"{mfu:.3f}", "fitted to the published one-way TTFT 778 ms at 24k", "every TTFT, goodput"
+        ),
         Param("EFA", "50 GB/s per GPU", "AWS p5en: 3,200 Gbps per 8 GPUs", "bidir pull time"),
         Param(
             "NIXL latency",
@@ -239,7 +255,7 @@ def gpu_qwen3_32b(tp: int = 8, gpu: str = "h200", mfu: float = 0.45) -> Hardware
     return Hardware(
         name=f"qwen3-32b-{gpu}-tp{tp}",
         engine=engine,
-        link=Link(latency_s=GPU_NIXL_LATENCY_S, bytes_per_s=EFA_BYTES_PER_S_PER_GPU * tp),
+        link=Link(latency_s=nixl_latency_s, bytes_per_s=efa_bytes_per_s_per_gpu * tp),
         kv_bytes_per_token=m["kv_bytes_per_token"],
         block_size=32,
         kv_blocks=int(kv_bytes // (m["kv_bytes_per_token"] * 32)),

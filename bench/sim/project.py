@@ -24,7 +24,15 @@ from typing import Any
 
 from bench.fleet import SLO
 from bench.sim.fleet import Fleet, FleetSpec
-from bench.sim.params import Hardware, gpu_qwen3_32b
+from bench.sim.params import (
+    EFA_BYTES_PER_S_PER_GPU,
+    GPU_HBM_EFFICIENCY,
+    GPU_MEMORY_UTILIZATION,
+    GPU_NIXL_LATENCY_S,
+    GPU_STEP_OVERHEAD_S,
+    Hardware,
+    gpu_qwen3_32b,
+)
 from bench.sim.study import level_figures, level_trace, warmup_trace
 from bench.sim.validate import fit_mfu
 from bench.traces import TraceShape
@@ -188,3 +196,88 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+SENSITIVITY_GPUS = 16
+SENSITIVITY_MODES = ("dp", "bidir-pd", "bidir")
+
+
+def sensitivity(slo: SLO | None = None, scale: float = 1.25) -> dict[str, Any]:
+    """Which figure each GPU parameter moves most: the 16-GPU projection of three modes
+    with one parameter at `scale` times its value (latency-like ones too), against the
+    unchanged one. Figures: each mode's goodput (best P:D) and TTFT p50 over all turns at
+    0.5 agents per engine."""
+    slo = slo or SLO()
+    mfu = fit_mfu()
+    base = {
+        "mfu": mfu,
+        "hbm_efficiency": GPU_HBM_EFFICIENCY,
+        "step_overhead_s": GPU_STEP_OVERHEAD_S,
+        "nixl_latency_s": GPU_NIXL_LATENCY_S,
+        "efa_bytes_per_s_per_gpu": EFA_BYTES_PER_S_PER_GPU,
+        "memory_utilization": GPU_MEMORY_UTILIZATION,
+    }
+
+    def figures(**change: float) -> dict[str, float | None]:
+        k = {**base, **change}
+        hw = gpu_qwen3_32b(
+            tp=TP,
+            mfu=k["mfu"],
+            hbm_efficiency=k["hbm_efficiency"],
+            step_overhead_s=k["step_overhead_s"],
+            nixl_latency_s=k["nixl_latency_s"],
+            efa_bytes_per_s_per_gpu=k["efa_bytes_per_s_per_gpu"],
+            memory_utilization=k["memory_utilization"],
+        )
+        engines = SENSITIVITY_GPUS // TP
+        out: dict[str, float | None] = {}
+        for mode in SENSITIVITY_MODES:
+            best, first = None, None
+            splits = [0] if mode == "dp" else sorted({max(1, round(engines * s)) for s in PREFILL_SHARES})
+            for prefill in splits:
+                decode = engines if mode == "dp" else engines - prefill
+                tried = ramp(FleetSpec(mode, hw, prefill=prefill, decode=decode), engines, slo)
+                first = first or tried["levels"][0]
+                if tried["best"] and (best is None or tried["best"]["turns_per_s"] > best):
+                    best = tried["best"]["turns_per_s"]
+            out[f"{mode} goodput"] = best
+            out[f"{mode} TTFT p50"] = first["ttft_p50_s"] if first else None
+        return out
+
+    reference = figures()
+    rows = []
+    for name, value in base.items():
+        if name == "memory_utilization":
+            moved = figures(**{name: min(0.98, value * scale)})
+        else:
+            moved = figures(**{name: value * scale})
+        changes = {k: _change(reference[k], moved[k]) for k in reference}
+        known = {k: v for k, v in changes.items() if v is not None}
+        most = max(known, key=lambda k: abs(known[k])) if known else None
+        if most is not None and abs(known[most]) < 0.01:
+            most = "nothing (all within 1%)"
+        rows.append({"parameter": name, "changes": changes, "moves_most": most})
+    return {"scale": scale, "reference": reference, "rows": rows}
+
+
+def _change(before: float | None, after: float | None) -> float | None:
+    """Relative change; a goodput lost (no level met the target) is -100%."""
+    if not before:
+        return None
+    return -1.0 if after is None else after / before - 1.0
+
+
+def format_sensitivity(result: dict[str, Any]) -> str:
+    names = list(result["reference"])
+    lines = [
+        f"PROJECTION sensitivity, {SENSITIVITY_GPUS} GPUs: each parameter x{result['scale']} "
+        "(memory_utilization capped at 0.98), change of each figure",
+        "",
+        "| parameter | " + " | ".join(names) + " | moves most |",
+        "| --- | " + " | ".join("---:" for _ in names) + " | --- |",
+        "| (reference) | " + " | ".join(_s(result["reference"][n]) for n in names) + " | |",
+    ]
+    for row in result["rows"]:
+        cells = ["-" if row["changes"][n] is None else f"{row['changes'][n]:+.0%}" for n in names]
+        lines.append(f"| {row['parameter']} | " + " | ".join(cells) + f" | {row['moves_most']} |")
+    return "\n".join(lines)
