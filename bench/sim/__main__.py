@@ -65,11 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.plot}")
         out["project"] = result
     if args.sensitivity:
+        from bench.profiles import profile
         from bench.sim import project
+        from bench.sim import validate as check
 
+        assert (fleet_shape := profile("fleet").trace) is not None
+        cpu_rows = check.cpu_sensitivity(fleet_shape)
+        print(check.format_cpu_sensitivity(cpu_rows) + "\n")
         sens = project.sensitivity()
         print(project.format_sensitivity(sens))
-        out["sensitivity"] = sens
+        out["sensitivity"] = {"cpu": cpu_rows, "gpu": sens}
     if args.trace:
         hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
         fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
@@ -214,4 +215,47 @@ def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any]) -> str:
         f"{gpu['read_latency_to_match_s'] * 1e3:.0f} ms of fixed time (modelled: "
         f"{gpu_qwen3_32b().link.latency_s * 1e3:.0f} ms; the published transfer cost is 30-130 ms)",
     ]
+    return "\n".join(lines)
+
+
+def cpu_sensitivity(shape: TraceShape, scale: float = 1.25) -> list[dict[str, Any]]:
+    """Which validation figure each CPU parameter moves most: the table above with one
+    parameter at `scale` times its value, as the relative change of each figure."""
+    hw = cpu_fleet()
+    e, link = hw.engine, hw.link
+    variants = {
+        "step_s": replace(hw, engine=replace(e, step_s=e.step_s * scale)),
+        "token_s": replace(hw, engine=replace(e, token_s=e.token_s * scale, attn_s=e.attn_s * scale)),
+        "attn_s": replace(hw, engine=replace(e, attn_s=e.attn_s * scale)),
+        "decode_seq_s": replace(hw, engine=replace(e, decode_seq_s=e.decode_seq_s * scale)),
+        "decode_ctx_s": replace(hw, engine=replace(e, decode_ctx_s=e.decode_ctx_s * scale)),
+        "chunk_tokens": replace(hw, engine=replace(e, chunk_tokens=round(e.chunk_tokens * scale))),
+        "NIXL latency": replace(hw, link=replace(link, latency_s=link.latency_s * scale)),
+        "NIXL bandwidth": replace(hw, link=replace(link, bytes_per_s=link.bytes_per_s * scale)),
+        "ingress_s": replace(hw, ingress_s=hw.ingress_s * scale),
+        "hop_s": replace(hw, hop_s=hw.hop_s * scale),
+        "store_call_s": replace(hw, store_call_s=hw.store_call_s * scale),
+    }
+
+    def figures(hardware: Hardware) -> dict[tuple[str, str], float | None]:
+        return {(r["mode"], r["figure"].split(" [")[0]): r["simulated"] for r in cpu_table(shape, hardware)}
+
+    reference = figures(hw)
+    out = []
+    for name, moved_hw in variants.items():
+        moved = figures(moved_hw)
+        changes = {k: -1.0 if (m := moved[k]) is None else m / v - 1.0 for k, v in reference.items() if v}
+        most = max(changes, key=lambda k: abs(changes[k]))
+        out.append({"parameter": name, "figure": f"{most[0]} {most[1]}", "change": changes[most]})
+    return out
+
+
+def format_cpu_sensitivity(rows: list[dict[str, Any]], scale: float = 1.25) -> str:
+    lines = [
+        f"CPU parameters x{scale}: the validation figure each moves most",
+        "",
+        "| parameter | figure moved most | change |",
+        "| --- | --- | ---: |",
+    ]
+    lines += [f"| {r['parameter']} | {r['figure']} | {r['change']:+.0%} |" for r in rows]
     return "\n".join(lines)
