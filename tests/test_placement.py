@@ -220,3 +220,39 @@ async def test_a_pd_turns_first_output_is_its_hand_off_and_a_broken_stream_is_un
     assert streams.handoff.value is not None and streams.of("decode-0").streams == 1
     await stream.aclose()  # the client went away mid-answer
     assert streams.of("decode-0").streams == 0
+
+
+# -- the ingress's choice, with its counters ------------------------------------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.mark.parametrize("policy", ["priced", "static"])
+async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unless_static(model_dir, policy):
+    from app.pacing import LegPace
+    from tests.test_turns import P1, USER2, Rig
+
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64, "transfer.placement": policy})
+    text1, _, r1 = await rig.turn(text=P1)  # a short first turn: decode-local
+    assert rig.turns.counts["placed_short"] == 1 and rig.engines.prefill_requests == []
+    # Its replica now streams 3 answers at 60 ms a token and computes prompts at 1 ms a token.
+    replica = r1.decode_replica
+    rig.turns.local_pace[replica] = LegPace()
+    rig.turns.local_pace[replica].seconds_per_token = 0.001
+    streams = rig.turns.streams.of(replica)
+    streams.streams = 3
+    streams.seconds_per_token.value = 0.060
+    await rig.turn(text=P1 + text1 + USER2)
+    counts = rig.turns.counts
+    if policy == "priced":
+        assert counts["placed_itl"] == 1 and counts["decode_local"] == 1
+        assert len(rig.engines.prefill_requests) == 1 and len(rig.engines.pulls) == 1
+    else:
+        assert counts["placed_short"] == 2 and counts["decode_local"] == 2
+        assert rig.engines.prefill_requests == []
+    assert streams.streams == 3  # the turn's own stream came and went
