@@ -130,3 +130,14 @@ def test_weighted_quantile_and_level_figures():
     figures = level_figures(run, SLO())
     assert figures["turns"] == len(run.turns) and figures["turns_per_s"] > 0
     assert sum(figures["routes"].values()) == len(run.turns)
+
+
+def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):
+    from bench.sim.__main__ import main
+    from bench.traces import write_trace
+
+    path = tmp_path / "trace.jsonl"
+    write_trace(replace(SHAPE, sessions=3).generate(), path)
+    assert main(["--trace", str(path), "--mode", "bidir", "--out", str(tmp_path / "out.json")]) == 0
+    assert '"turns"' in capsys.readouterr().out
+    assert (tmp_path / "out.json").exists()
