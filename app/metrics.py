@@ -13,7 +13,7 @@ Who records what:
 * `TurnMetrics` (one per ingress replica): per turn, at its end (`record_turn`): TTFT by
   turn-index bucket and mode, prompt tokens pulled from decode / cached / computed, the
   miss reason; and every `POLL_S` (`ensure_polling`) the orchestration's event counters
-  (`sync_events`: pull timeouts, retries, failed legs, ...) and the handle store's state
+  (`sync_events`: pull timeouts, retries, failed legs, placement choices, ...) and the handle store's state
   (`StoreGauges`). Store call latency: `TimedStore`, a wrapper of the store client.
 * `EngineMetrics` (one per engine, fed by vLLM's stat-logger hook in `app.engine`): KV
   blocks in use (for a decode engine with nothing running: the blocks it pins for the
@@ -36,6 +36,7 @@ from typing import Any
 from ray.util import metrics as ray_metrics
 
 from app.events import CONTINUED_FROM
+from app.placement import ON_DECODE, Reason
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,6 +45,8 @@ TTFT_BOUNDARIES = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
 STORE_BOUNDARIES = [0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0]
 TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
 POLL_S = 5.0
+PLACED = "placed_"
+"""Prefix of the placement counters of `Turns.counts` (`placed_<app.placement.Reason>`)."""
 
 
 def turn_bucket(index: int | None) -> str:
@@ -139,6 +142,12 @@ class TurnMetrics:
         )
         self.pull_timeouts = ray_metrics.Counter(
             "kvturn_pull_timeouts", "Prefill legs aborted past their pull deadline and recomputed."
+        )
+        self.placements = ray_metrics.Counter(
+            "kvturn_placements",
+            "Bidir turns by where the placement policy sent them (decode, prefill) and why "
+            "(`app.placement.Reason`: short, sooner, busy, itl, later, too_long, idle, no_replica).",
+            tag_keys=("route", "reason"),
         )
         self.continuations = ray_metrics.Counter(
             "kvturn_decode_continuations",
@@ -242,6 +251,10 @@ class TurnMetrics:
             self.events.inc(grown, tags={"event": str(event)})
             if event == "pull_timeout":
                 self.pull_timeouts.inc(grown)
+            elif event.startswith(PLACED):  # `app.events.TurnCount.PLACED_*`
+                reason = Reason(event.removeprefix(PLACED))
+                route = "decode" if reason in ON_DECODE else "prefill"
+                self.placements.inc(grown, tags={"route": route, "reason": str(reason)})
 
 
 class StoreGauges:

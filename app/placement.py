@@ -52,6 +52,10 @@ class Reason(enum.StrEnum):
     """Prefill: the session has no decode replica yet whose load could be priced."""
 
 
+ON_DECODE = frozenset({Reason.SHORT, Reason.SOONER, Reason.BUSY})
+"""The reasons that send a turn to its decode replica; the others send it through prefill."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """The policy's settings (from `TransferConfig`)."""

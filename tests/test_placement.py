@@ -256,3 +256,16 @@ async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unle
         assert counts["placed_short"] == 2 and counts["decode_local"] == 2
         assert rig.engines.prefill_requests == []
     assert streams.streams == 3  # the turn's own stream came and went
+
+
+def test_placement_choices_are_exported_by_route_and_reason():
+    from app import metrics
+    from tests.test_metrics import recording
+
+    m = recording(metrics.TurnMetrics("bidir"))
+    m.sync_events({"placed_short": 2, "placed_itl": 1})
+    m.sync_events({"placed_short": 3, "placed_itl": 1, "placed_sooner": 1})
+    assert m.placements.get(route="decode", reason="short") == 3
+    assert m.placements.get(route="decode", reason="sooner") == 1
+    assert m.placements.get(route="prefill", reason="itl") == 1
+    assert m.events.get(event="placed_itl") == 1  # and among the turn events, as every counter
