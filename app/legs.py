@@ -178,6 +178,7 @@ class Legs:
         tries, continuations = 1, 0
         answer: list[int] = []  # tokens of this answer given to the caller, over all attempts
         answer_chars = 0  # and their text's length
+        whole = 0  # tokens of `answer` up to the last that came with text (a character's end)
         while True:
             produced, finished, replica = False, False, attempt.preferred_replica
             try:
@@ -188,6 +189,8 @@ class Legs:
                         continue
                     answer.extend(trimmed.token_ids)
                     answer_chars += len(trimmed.text)
+                    if trimmed.text:
+                        whole = len(answer)
                     finished = trimmed.finished
                     yield trimmed, replica
                 return
@@ -215,7 +218,7 @@ class Legs:
                         exc,
                     )
                     yield Restart()
-                    answer, answer_chars, skip = [], 0, _Skip()
+                    answer, answer_chars, whole, skip = [], 0, 0, _Skip()
                     attempt = self._another(request, f"{request.request_id}-retry{tries - 1}", avoid)
                     await asyncio.sleep(DECODE_RETRY_PAUSE_S * (tries - 1))  # Serve learns of a dead replica
                     continue
@@ -240,7 +243,9 @@ class Legs:
                     exc,
                 )
                 yield Continued(replica, how)
-                attempt, skip = self._continuation(request, how, answer, answer_chars, continuations, avoid)
+                attempt, skip = self._continuation(
+                    request, how, answer, answer_chars, whole, continuations, avoid
+                )
                 await asyncio.sleep(DECODE_RETRY_PAUSE_S * continuations)
 
     def _another(self, request: EngineRequest, request_id: str, avoid: list[str], **changes) -> EngineRequest:
@@ -260,24 +265,32 @@ class Legs:
         how: Continuation,
         answer: list[int],
         answer_chars: int,
+        whole: int,
         n: int,
         avoid: list[str],
     ) -> tuple[EngineRequest, _Skip]:
         """The `n`-th continuation of `request`, whose caller has `answer` (and that many
-        characters of its text), and what of its output to drop."""
+        characters of its text), and what of its output to drop.
+
+        A resumed answer's prompt ends at `whole`, after the last token that came with
+        text: the tokens after it (a character's first bytes, whose text the engine held
+        back) are generated again and dropped, text kept. vLLM's detokenizer, primed with
+        a prompt that ends mid-character, was seen to give the whole prompt's text as the
+        first token's."""
         request_id = f"{request.request_id}-cont{n}"
         if how is not Continuation.RESUMED:
             self.counts[TurnCount.DECODE_REPLAYED_TOKENS] += len(answer)
             return self._another(request, request_id, avoid), _Skip(tuple(answer), answer_chars)
-        self.counts[TurnCount.DECODE_CONTINUED_TOKENS] += len(answer)
+        self.counts[TurnCount.DECODE_CONTINUED_TOKENS] += whole
+        self.counts[TurnCount.DECODE_REPLAYED_TOKENS] += len(answer) - whole
         resumed = self._another(
             request,
             request_id,
             avoid,
-            prompt_token_ids=tuple(request.prompt_token_ids) + tuple(answer),
-            sampling=_rest_of(request.sampling, len(answer)),
+            prompt_token_ids=tuple(request.prompt_token_ids) + tuple(answer[:whole]),
+            sampling=_rest_of(request.sampling, whole),
         )
-        return resumed, _Skip()
+        return resumed, _Skip(tuple(answer[whole:]))
 
 
 @dataclass(frozen=True)

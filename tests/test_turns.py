@@ -74,6 +74,9 @@ class FakeEngines:
         self.die_after: dict[str, int] = {}
         """Replica -> tokens of an answer after which it dies (then it is dead to the router)."""
         self.chunk_tokens: dict[str, int] = {}  # replica -> tokens per chunk (default 2)
+        self.held: set[int] = set()
+        """Positions of tokens that end mid-character: their text comes with the next
+        token's. A prompt that ends with one gives its text first (vLLM's detokenizer)."""
         self.keeps_kv = keeps_kv
         self.eos = eos
         self.stop_string = stop_string
@@ -132,6 +135,11 @@ class FakeEngines:
     def answer(self, prompt_len: int, n: int) -> list[tuple[int, str]]:
         """(id, text) of each generated token: a function of the prompt length."""
         out = [(1000 + ord(letter_at(prompt_len + k)), letter_at(prompt_len + k)) for k in range(n)]
+        pending = "<PROMPT TEXT>" if prompt_len - 1 in self.held else ""
+        for k, (token, text) in enumerate(out):
+            pending += text
+            out[k] = (token, "" if prompt_len + k in self.held else pending)
+            pending = pending if prompt_len + k in self.held else ""
         if self.eos and out:
             out[-1] = (EOS, "")
         return out
@@ -781,6 +789,24 @@ async def test_a_stream_cut_mid_answer_goes_on_on_another_replica(model_dir):
     _, ids3, r3 = await rig.turn(text=P1 + text1 + USER2 + text + USER3)
     assert r3.miss_reason is None and r3.reused_from_decode > 0
     assert ids3 == expected_answer(rig.engines, r3.prompt_tokens)[1]
+
+
+async def test_a_stream_cut_mid_character_resumes_after_the_last_whole_one(model_dir):
+    """Tokens whose text the engine held back (a character's first bytes) are not put in the
+    survivor's prompt: it generates them again (dropped) and gives their text with the next."""
+    rig = Rig(model_dir)
+    p = len(enc(P1))
+    rig.engines.chunk_tokens["decode-0"] = 1
+    rig.engines.held = {p + 2, p + 3}
+    rig.engines.die_after = {"decode-0": 4}
+    text, ids, r = await rig.turn(text=P1, max_tokens=8)
+    assert (text, ids) == expected_answer(rig.engines, p, 8) and "PROMPT" not in text
+    (_, r_cut), (cont, r_cont) = rig.engines.decode_requests
+    assert (r_cut, r_cont) == ("decode-0", "decode-1")
+    assert cont.prompt_token_ids == enc(P1) + tuple(ids[:2]) and cont.sampling.max_tokens == 6
+    counts = rig.turns.counts
+    assert counts["decode_continued_resumed"] == 1
+    assert counts["decode_continued_tokens"] == 2 and counts["decode_replayed_tokens"] == 2
 
 
 async def test_a_stream_goes_on_through_as_many_cuts_as_allowed_then_fails(model_dir):

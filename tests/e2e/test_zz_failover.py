@@ -3,12 +3,14 @@
 The faults are real: Serve replicas of the shared `pd` app killed with `ray.kill` (their
 engine processes follow them), between turns, in the middle of a streamed answer, and the
 whole prefill pool. Each turn after a fault answers with the reference engine's tokens;
-a stream cut by its decode replica ends with an OpenAI-style error event and `[DONE]`."""
+a stream cut by its decode replica goes on on a survivor, with no error event (chat, a
+forced tool call, a Responses stream)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 import ray
@@ -102,54 +104,166 @@ def test_decode_replica_killed_between_turns(apps):
     assert second.token_ids == reference_tokens(url, second.prompt_token_ids, len(second.token_ids))
 
 
-def test_decode_replica_killed_mid_stream(apps):
+def _killed_mid_stream(url: str, path: str, body: dict, plain: dict, session: str, output: Callable):
+    """Send `plain` under `session` (its decode replica becomes the session's), then `body`
+    streamed under it; kill that replica at the first data event the client got output in
+    (`output(event)`). Returns the victim, the stream's data events and the counters' growth."""
+    headers = {"x-session-id": session}
+    r = httpx.post(url + path, json=plain, headers=headers, timeout=300)
+    assert r.status_code == 200, r.text
+    victim = r.json()["kvturn"]["decode_replica"]
+    before = kv_stats(url)["turns"]
+    events: list[dict] = []
+    killed = False
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=300) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if not killed and output(events[-1]):
+                ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
+                killed = True
+    assert killed, events[-3:]
+    after = kv_stats(url)["turns"]
+    grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert not any("error" in e or e.get("type") in ("error", "response.failed") for e in events), events[-2:]
+    assert grew.get("decode_failed", 0) == 0, grew
+    return victim, events, grew
+
+
+def _has_tokens(event: dict) -> bool:
+    return any(c.get("token_ids") for c in event.get("choices", []))
+
+
+def _has_tool_call(event: dict) -> bool:
+    return any(c["delta"].get("tool_calls") for c in event.get("choices", []))
+
+
+def _has_text(event: dict) -> bool:
+    return event.get("type") == "response.output_text.delta" and bool(event["delta"])
+
+
+def _reference(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + "/ref" + path, json={**body, "stream": False}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_decode_replica_killed_mid_stream_the_answer_goes_on(apps):
+    """The session's decode replica dies after the first token of a long greedy stream: a
+    survivor computes the prompt plus the tokens sent and goes on; the client gets every
+    token once, the reference engine's, and no error event."""
     url = apps["url"]
     _wait_running("DecodeServer", 2)  # the replica killed above is back
     msgs = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Lose the stream, keep the session. " * 2},
+        {"role": "user", "content": "Lose the replica, not the stream. " * 2},
     ]
-    first = chat(url, msgs, session="midstream", max_tokens=8)
-    victim = first.kvturn["decode_replica"]
-    msgs += [
-        {"role": "assistant", "content": first.text},
-        {"role": "user", "content": "Now a long answer, please."},
-    ]
-    # The session's next turn streams from the same replica; it dies after the first token.
     body = {
         "model": MODEL,
         "messages": msgs,
-        "max_tokens": 1500,
+        "max_tokens": 800,
         "ignore_eos": True,
         "temperature": 0,
+        "return_token_ids": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    events, killed_at = [], None
-    with httpx.stream(
-        "POST", url + "/v1/chat/completions", json=body, headers={"x-session-id": "midstream"}, timeout=120
-    ) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line:
-                continue
-            events.append(line)
-            if killed_at is None and line.startswith("data: {") and '"content"' in line:
-                killed_at = len(events)
-                ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
-    assert killed_at is not None and events[-1] == "data: [DONE]", events[-3:]
-    error = json.loads(events[-2].removeprefix("data: "))
-    assert error["error"]["code"] == "decode_failed" and error["error"]["type"] == "server_error", error
-    # Tokens were streamed before the error, fewer than asked: the answer was cut.
-    streamed = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert (
-        0
-        < sum(len(c["choices"][0]["delta"].get("content") or "") for c in streamed if c.get("choices"))
-        < 1500
+    plain = {**body, "stream": False, "max_tokens": 8}
+    del plain["stream_options"]
+    started = time.monotonic()
+    victim, events, grew = _killed_mid_stream(
+        url, "/v1/chat/completions", body, plain, "midstream", _has_tokens
     )
-    # The client sends the turn again: the surviving replica answers it correctly.
-    again = chat(url, msgs, session="midstream", max_tokens=12)
-    assert again.kvturn["decode_replica"] != victim
-    assert again.token_ids == reference_tokens(url, again.prompt_token_ids, len(again.token_ids))
+    waited = time.monotonic() - started
+    choices = [c for e in events for c in e.get("choices", [])]
+    ids = [t for c in choices for t in c.get("token_ids") or []]
+    text = "".join(c["delta"].get("content") or "" for c in choices)
+    last = events[-1]
+    ref = _reference(url, "/v1/chat/completions", plain | {"max_tokens": 800})
+    assert next(e["prompt_token_ids"] for e in events if "prompt_token_ids" in e) == ref["prompt_token_ids"]
+    assert len(ids) == 800 and ids == ref["choices"][0]["token_ids"]
+    assert text == ref["choices"][0]["message"]["content"]
+    assert last["usage"]["completion_tokens"] == 800
+    assert next(e["kvturn"] for e in events if "kvturn" in e)["decode_replica"] != victim
+    assert grew["decode_continued"] == 1 and grew["decode_continued_resumed"] == 1, grew
+    assert grew[f"decode_continued_from/resumed/{victim}"] == 1, grew
+    assert 0 < grew["decode_continued_tokens"] < 800, grew
+    print(f"\nstream cut after {grew['decode_continued_tokens']} tokens, answered in {waited:.1f} s: {grew}")
+
+
+WRITE = {
+    "type": "function",
+    "function": {
+        "name": "write_note",
+        "description": "Write a note",
+        "parameters": {
+            "type": "object",
+            "properties": {"note": {"type": "string"}},
+            "required": ["note"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_decode_replica_killed_mid_tool_call_the_call_goes_on(apps):
+    """A forced tool call streams structured output: the survivor replays the answer under
+    the same grammar and the client gets the arguments it lacks, the reference's."""
+    url = apps["url"]
+    _wait_running("DecodeServer", 2)
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Write a long note about the replicas. " * 2},
+    ]
+    plain = {
+        "model": MODEL,
+        "messages": msgs,
+        "tools": [WRITE],
+        "tool_choice": {"type": "function", "function": {"name": "write_note"}},
+        "max_tokens": 400,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    body = {**plain, "stream": True}
+    victim, events, grew = _killed_mid_stream(
+        url, "/v1/chat/completions", body, {**plain, "max_tokens": 8}, "midcall", _has_tool_call
+    )
+    choices = [c for e in events for c in e.get("choices", [])]
+    ids = [t for c in choices for t in c.get("token_ids") or []]
+    calls = [tc for c in choices for tc in c["delta"].get("tool_calls") or []]
+    arguments = "".join((tc.get("function") or {}).get("arguments") or "" for tc in calls)
+    ref = _reference(url, "/v1/chat/completions", plain)["choices"][0]
+    assert ids == ref["token_ids"]
+    assert arguments == ref["message"]["tool_calls"][0]["function"]["arguments"]
+    assert [tc["function"]["name"] for tc in calls if (tc.get("function") or {}).get("name")] == [
+        "write_note"
+    ]
+    assert grew["decode_continued_replayed_grammar"] == 1, grew
+    assert grew[f"decode_continued_from/replayed_grammar/{victim}"] == 1, grew
+
+
+def test_decode_replica_killed_mid_response_stream_the_response_goes_on(apps):
+    url = apps["url"]
+    _wait_running("DecodeServer", 2)
+    plain = {
+        "model": MODEL,
+        "instructions": SYSTEM,
+        "input": "Keep the response going when a replica dies. " * 2,
+        "max_output_tokens": 600,
+        "temperature": 0,
+    }
+    body = {**plain, "stream": True}
+    victim, events, grew = _killed_mid_stream(
+        url, "/v1/responses", body, {**plain, "max_output_tokens": 8}, "midresponse", _has_text
+    )
+    text = "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+    done = next(e for e in events if e.get("type") == "response.completed")["response"]
+    ref = _reference(url, "/v1/responses", plain)
+    assert text == ref["output"][0]["content"][0]["text"] == done["output"][0]["content"][0]["text"]
+    assert done["usage"]["output_tokens"] == ref["usage"]["output_tokens"]
+    assert grew["decode_continued"] == 1 and grew[f"decode_continued_from/resumed/{victim}"] == 1, grew
 
 
 def test_unstreamed_turn_outlives_its_decode_replica(apps):
