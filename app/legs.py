@@ -43,9 +43,18 @@ DECODE_RETRY_PAUSE_S = 0.2
 class Legs:
     """Runs the legs of the turns of one ingress replica (`Turns` owns it)."""
 
-    def __init__(self, cfg: AppConfig, clients: EngineClients, counts: Counter[str], pace: LegPace):
+    def __init__(
+        self,
+        cfg: AppConfig,
+        clients: EngineClients,
+        counts: Counter[str],
+        pace: LegPace,
+        piece: Callable[[int], str],
+    ):
         self._cfg = cfg
         self._clients = clients
+        self._piece = piece
+        """One token's text (`Tokenizer.piece`): where a resumed answer's prompt may end."""
         self.counts = counts
         self.pace = pace
         """The prefill pool's pace, shared with `Turns`' routing decisions."""
@@ -178,7 +187,6 @@ class Legs:
         tries, continuations = 1, 0
         answer: list[int] = []  # tokens of this answer given to the caller, over all attempts
         answer_chars = 0  # and their text's length
-        whole = 0  # tokens of `answer` up to the last that came with text (a character's end)
         while True:
             produced, finished, replica = False, False, attempt.preferred_replica
             try:
@@ -189,8 +197,6 @@ class Legs:
                         continue
                     answer.extend(trimmed.token_ids)
                     answer_chars += len(trimmed.text)
-                    if trimmed.text:
-                        whole = len(answer)
                     finished = trimmed.finished
                     yield trimmed, replica
                 return
@@ -218,7 +224,7 @@ class Legs:
                         exc,
                     )
                     yield Restart()
-                    answer, answer_chars, whole, skip = [], 0, 0, _Skip()
+                    answer, answer_chars, skip = [], 0, _Skip()
                     attempt = self._another(request, f"{request.request_id}-retry{tries - 1}", avoid)
                     await asyncio.sleep(DECODE_RETRY_PAUSE_S * (tries - 1))  # Serve learns of a dead replica
                     continue
@@ -243,9 +249,7 @@ class Legs:
                     exc,
                 )
                 yield Continued(replica, how)
-                attempt, skip = self._continuation(
-                    request, how, answer, answer_chars, whole, continuations, avoid
-                )
+                attempt, skip = self._continuation(request, how, answer, answer_chars, continuations, avoid)
                 await asyncio.sleep(DECODE_RETRY_PAUSE_S * continuations)
 
     def _another(self, request: EngineRequest, request_id: str, avoid: list[str], **changes) -> EngineRequest:
@@ -265,22 +269,23 @@ class Legs:
         how: Continuation,
         answer: list[int],
         answer_chars: int,
-        whole: int,
         n: int,
         avoid: list[str],
     ) -> tuple[EngineRequest, _Skip]:
         """The `n`-th continuation of `request`, whose caller has `answer` (and that many
         characters of its text), and what of its output to drop.
 
-        A resumed answer's prompt ends at `whole`, after the last token that came with
-        text: the tokens after it (a character's first bytes, whose text the engine held
-        back) are generated again and dropped, text kept. vLLM's detokenizer, primed with
-        a prompt that ends mid-character, was seen to give the whole prompt's text as the
-        first token's."""
+        A resumed answer's prompt ends at a character's end: the tokens after it (a
+        character's first bytes, whose text the engine held back) are generated again and
+        dropped, text kept. vLLM's detokenizer, primed with a prompt that ends
+        mid-character, was seen to give the whole prompt's text as the first token's."""
         request_id = f"{request.request_id}-cont{n}"
         if how is not Continuation.RESUMED:
             self.counts[TurnCount.DECODE_REPLAYED_TOKENS] += len(answer)
             return self._another(request, request_id, avoid), _Skip(tuple(answer), answer_chars)
+        whole = len(answer)
+        while whole and self._piece(answer[whole - 1]).endswith(_PARTIAL):
+            whole -= 1
         self.counts[TurnCount.DECODE_CONTINUED_TOKENS] += whole
         self.counts[TurnCount.DECODE_REPLAYED_TOKENS] += len(answer) - whole
         resumed = self._another(
@@ -336,6 +341,9 @@ class _Skip:
             chunk, token_ids=tuple(chunk.token_ids[n:]), text=chunk.text[cut:], logprobs=logprobs
         )
 
+
+_PARTIAL = "\ufffd"
+"""How a token's own text ends when its bytes end inside a character (byte-level BPE)."""
 
 _OUTPUT_STATE = ("stop", "bad_words", "thinking_token_budget", "repetition_detection", "watermarking")
 """vLLM sampling settings that read the answer generated so far (not the prompt)."""

@@ -61,7 +61,7 @@ class Turns:
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
         self.streams = DecodeStreams()
         """Per decode replica: the answers streaming there, their pace; P/D hand-offs."""
-        self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace)
+        self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace, tokenizer.piece)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
         started = time.monotonic()

@@ -38,6 +38,7 @@ BLOCK = 4
 THRESHOLD = 8
 EOS = 1999
 EOS_PIECE = "<eos>"
+PARTIAL = 3000
 SYSTEM = "SYSTEM: be brief.\n"
 P1 = SYSTEM + "USER: hello there\nASSISTANT:"
 USER2 = "\nUSER: tell me more\nASSISTANT:"
@@ -50,6 +51,8 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
     def piece(self, token_id: int) -> str:
+        if token_id >= PARTIAL:  # a character's first bytes (`FakeEngines.held`)
+            return "\ufffd"
         return EOS_PIECE if token_id == EOS else chr(token_id - 1000)
 
 
@@ -75,8 +78,9 @@ class FakeEngines:
         """Replica -> tokens of an answer after which it dies (then it is dead to the router)."""
         self.chunk_tokens: dict[str, int] = {}  # replica -> tokens per chunk (default 2)
         self.held: set[int] = set()
-        """Positions of tokens that end mid-character: their text comes with the next
-        token's. A prompt that ends with one gives its text first (vLLM's detokenizer)."""
+        """Positions of tokens that end mid-character (ids from `PARTIAL`): their text comes
+        with the next token's. A prompt that ends with one gives its text first (vLLM's
+        detokenizer)."""
         self.keeps_kv = keeps_kv
         self.eos = eos
         self.stop_string = stop_string
@@ -138,6 +142,8 @@ class FakeEngines:
         pending = "<PROMPT TEXT>" if prompt_len - 1 in self.held else ""
         for k, (token, text) in enumerate(out):
             pending += text
+            if prompt_len + k in self.held:
+                token += PARTIAL - 1000
             out[k] = (token, "" if prompt_len + k in self.held else pending)
             pending = pending if prompt_len + k in self.held else ""
         if self.eos and out:
@@ -791,14 +797,18 @@ async def test_a_stream_cut_mid_answer_goes_on_on_another_replica(model_dir):
     assert ids3 == expected_answer(rig.engines, r3.prompt_tokens)[1]
 
 
-async def test_a_stream_cut_mid_character_resumes_after_the_last_whole_one(model_dir):
-    """Tokens whose text the engine held back (a character's first bytes) are not put in the
-    survivor's prompt: it generates them again (dropped) and gives their text with the next."""
+@pytest.mark.parametrize(
+    "chunk, held, cut_after", [(1, (2, 3), 4), (3, (2,), 3)], ids=["token-chunks", "merged-chunk"]
+)
+async def test_a_stream_cut_mid_character_resumes_after_the_last_whole_one(model_dir, chunk, held, cut_after):
+    """Tokens that end mid-character (the engine holds their text back) are not put at the
+    end of the survivor's prompt: it generates them again (dropped) and gives their text
+    with the next token's. Even when a chunk's text came from its earlier tokens only."""
     rig = Rig(model_dir)
     p = len(enc(P1))
-    rig.engines.chunk_tokens["decode-0"] = 1
-    rig.engines.held = {p + 2, p + 3}
-    rig.engines.die_after = {"decode-0": 4}
+    rig.engines.chunk_tokens["decode-0"] = chunk
+    rig.engines.held = {p + k for k in held}
+    rig.engines.die_after = {"decode-0": cut_after}
     text, ids, r = await rig.turn(text=P1, max_tokens=8)
     assert (text, ids) == expected_answer(rig.engines, p, 8) and "PROMPT" not in text
     (_, r_cut), (cont, r_cont) = rig.engines.decode_requests
@@ -806,7 +816,7 @@ async def test_a_stream_cut_mid_character_resumes_after_the_last_whole_one(model
     assert cont.prompt_token_ids == enc(P1) + tuple(ids[:2]) and cont.sampling.max_tokens == 6
     counts = rig.turns.counts
     assert counts["decode_continued_resumed"] == 1
-    assert counts["decode_continued_tokens"] == 2 and counts["decode_replayed_tokens"] == 2
+    assert counts["decode_continued_tokens"] == 2 and counts["decode_replayed_tokens"] == cut_after - 2
 
 
 async def test_a_stream_goes_on_through_as_many_cuts_as_allowed_then_fails(model_dir):

@@ -42,6 +42,20 @@ def _wait_running(deployment: str, replicas: int, within_s: float = 600.0) -> No
     raise AssertionError(f"{deployment} not back to {replicas} replicas: {states}")
 
 
+def _wait_noticed(deployment: str, replicas: int, within_s: float = 120.0) -> None:
+    """Until Serve's controller counts fewer than `replicas` running replicas of `deployment`
+    (it notices a killed replica within seconds; until then `_wait_running` would pass)."""
+    from ray import serve
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = serve.status().applications["pd"].deployments[deployment].replica_states
+        if states.get("RUNNING", 0) < replicas or sum(states.values()) != states.get("RUNNING", 0):
+            return
+        time.sleep(1)
+    raise AssertionError(f"Serve never noticed a killed {deployment} replica: {states}")
+
+
 def test_no_handle_left_claimed_and_pins_expire(apps):
     stats = kv_stats(apps["url"])["store"]["shards"]
     assert all(s["claimed_handles"] == 0 and s["open_leases"] == 0 for s in stats), stats
@@ -125,6 +139,7 @@ def _killed_mid_stream(url: str, path: str, body: dict, plain: dict, session: st
                 ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
                 killed = True
     assert killed, events[-3:]
+    _wait_noticed("DecodeServer", 2)  # so that the next test waits for its replacement
     after = kv_stats(url)["turns"]
     grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     assert not any("error" in e or e.get("type") in ("error", "response.failed") for e in events), events[-2:]
@@ -187,10 +202,13 @@ def test_decode_replica_killed_mid_stream_the_answer_goes_on(apps):
     assert text == ref["choices"][0]["message"]["content"]
     assert last["usage"]["completion_tokens"] == 800
     assert next(e["kvturn"] for e in events if "kvturn" in e)["decode_replica"] != victim
-    assert grew["decode_continued"] == 1 and grew["decode_continued_resumed"] == 1, grew
-    assert grew[f"decode_continued_from/resumed/{victim}"] == 1, grew
-    assert 0 < grew["decode_continued_tokens"] < 800, grew
-    print(f"\nstream cut after {grew['decode_continued_tokens']} tokens, answered in {waited:.1f} s: {grew}")
+    assert grew.get("decode_continued") == 1 and grew.get("decode_continued_resumed") == 1, grew
+    assert grew.get(f"decode_continued_from/resumed/{victim}") == 1, grew
+    # The tokens sent before the cut: in the survivor's prompt, or generated again where
+    # they end mid-character (the random model's answer starts with an invalid byte).
+    sent = grew.get("decode_continued_tokens", 0) + grew.get("decode_replayed_tokens", 0)
+    assert 0 < sent < 800, grew
+    print(f"\nstream cut after {sent} tokens, answered in {waited:.1f} s: {grew}")
 
 
 WRITE = {
@@ -240,8 +258,8 @@ def test_decode_replica_killed_mid_tool_call_the_call_goes_on(apps):
     assert [tc["function"]["name"] for tc in calls if (tc.get("function") or {}).get("name")] == [
         "write_note"
     ]
-    assert grew["decode_continued_replayed_grammar"] == 1, grew
-    assert grew[f"decode_continued_from/replayed_grammar/{victim}"] == 1, grew
+    assert grew.get("decode_continued_replayed_grammar") == 1, grew
+    assert grew.get(f"decode_continued_from/replayed_grammar/{victim}") == 1, grew
 
 
 def test_decode_replica_killed_mid_response_stream_the_response_goes_on(apps):
@@ -263,7 +281,8 @@ def test_decode_replica_killed_mid_response_stream_the_response_goes_on(apps):
     ref = _reference(url, "/v1/responses", plain)
     assert text == ref["output"][0]["content"][0]["text"] == done["output"][0]["content"][0]["text"]
     assert done["usage"]["output_tokens"] == ref["usage"]["output_tokens"]
-    assert grew["decode_continued"] == 1 and grew[f"decode_continued_from/resumed/{victim}"] == 1, grew
+    assert grew.get("decode_continued") == 1, grew
+    assert grew.get(f"decode_continued_from/resumed/{victim}") == 1, grew
 
 
 def test_unstreamed_turn_outlives_its_decode_replica(apps):
