@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import metrics
+from app.events import Continuation
 
 
 class Recorder:
@@ -145,6 +146,19 @@ def test_sync_events_exports_growth_only():
     assert m.events.get(event="spliced") == 2 and m.events.get(event="pull_timeout") == 3
     assert m.events.get(event="decode_retried") == 1
     assert m.pull_timeouts.get() == 3
+
+
+def test_continuations_export_by_how_and_failed_replica_not_as_events():
+    m = recording(metrics.TurnMetrics("bidir"))
+    how = Continuation.RESUMED
+    m.sync_events({"decode_continued": 1, how.of_replica("r1"): 1})
+    m.sync_events(
+        {"decode_continued": 3, how.of_replica("r1"): 2, Continuation.REPLAYED_GRAMMAR.of_replica(None): 1}
+    )
+    assert m.events.get(event="decode_continued") == 3
+    assert m.continuations.get(how="resumed", replica="r1") == 2
+    assert m.continuations.get(how="replayed_grammar", replica="unknown") == 1
+    assert m.events.get(event=how.of_replica("r1")) is None
 
 
 def test_store_gauges_sum_shards_and_zero_states_that_left():
