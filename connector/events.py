@@ -49,6 +49,7 @@ class StoreEvent(enum.StrEnum):
     # A handle entered the store, was claimed, or left it (keyed by the state it left in).
     STORED = "stored"
     CLAIMED = "claimed"
+    GIVEN_BACK = "given_back"  # a claim ended KEPT: the handle is STORED again, unread
     PULLED = "pulled"
     UNUSED = "unused"
     FAILED = "failed"

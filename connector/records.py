@@ -59,7 +59,7 @@ TRANSITIONS: dict[HandleState | None, frozenset[HandleState]] = {
         }
     ),
     HandleState.CLAIMED: frozenset(
-        {HandleState.PULLED, HandleState.UNUSED, HandleState.FAILED, HandleState.EXPIRED}
+        {HandleState.STORED, HandleState.PULLED, HandleState.UNUSED, HandleState.FAILED, HandleState.EXPIRED}
     ),
 }
 """Allowed state changes; `None` is a record entering the store. Every other state is final."""
@@ -71,6 +71,7 @@ class TurnOutcome(str, enum.Enum):
     PULLED = "pulled"  # prefill read (part of) the blocks
     UNUSED = "unused"  # verified prefix too short, or reuse off: not read
     FAILED = "failed"  # the turn failed before prefill answered
+    KEPT = "kept"  # not this turn's conversation (a sub-agent under its key): back to STORED, unread
 
 
 OUTCOME_STATE = {

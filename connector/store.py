@@ -244,7 +244,10 @@ class HandleStore:
             self._release_new(conversation, HandleState.EXPIRED, now)
             return
         if lease.handle is not None:
-            self._settle(lease, OUTCOME_STATE[outcome], now)
+            if outcome is TurnOutcome.KEPT:
+                self._give_back(lease, now)
+            else:
+                self._settle(lease, OUTCOME_STATE[outcome], now)
         if lease.ended:
             self._release_new(conversation, HandleState.ENDED, now)
             return
@@ -511,6 +514,43 @@ class HandleStore:
         record = self._records.get(lease.session_id)
         if record is not None and record.handle is handle and record.state is HandleState.CLAIMED:
             self._transition(record, state)
+
+    def _give_back(self, lease: Lease, now: float) -> None:
+        """A claimed handle the turn did not read goes back to STORED as it was (same
+        stored time, same expiry), for its session's next turn; settled UNUSED instead if
+        it expired or was replaced meanwhile."""
+        handle = lease.handle
+        assert handle is not None
+        record = self._records.get(lease.session_id)
+        if (
+            record is None
+            or record.handle is not handle
+            or record.state is not HandleState.CLAIMED
+            or record.expires_at <= now
+        ):
+            self._settle(lease, HandleState.UNUSED, now)
+            return
+        self._claimed -= 1
+        self.counts[StoreEvent.GIVEN_BACK] += 1
+        # Entering STORED holds its blocks and share again: let go of the claim's first.
+        self._pins.let_go(handle, HandleState.PULLED, lease.stored_at, lease.decode_replica, now)
+        self._shares.let_go(handle.engine_id, tenant_of(lease.session_id), handle.num_blocks)
+        self._transition(record, HandleState.STORED)
+        self._refile_expiry(record)
+
+    def _refile_expiry(self, record: Record) -> None:
+        """Keep `_expiring` in expiry order after `record` re-entered it at the end: the
+        records filed after it that expire later move behind it (few: those stored since)."""
+        later = []
+        for session_id in reversed(self._expiring):
+            other = self._expiring[session_id]
+            if other is record:
+                continue
+            if other.expires_at <= record.expires_at:
+                break
+            later.append(session_id)
+        for session_id in reversed(later):
+            self._expiring[session_id] = self._expiring.pop(session_id)
 
     def _release_new(
         self, conversation: Conversation | ConversationTail | None, reason: HandleState, now: float

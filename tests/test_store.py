@@ -125,7 +125,7 @@ def test_claim_is_single_use(store):
     assert store.stats()["claimed_handles"] == 1
 
 
-@pytest.mark.parametrize("outcome", list(TurnOutcome))
+@pytest.mark.parametrize("outcome", [o for o in TurnOutcome if o is not TurnOutcome.KEPT])
 def test_end_turn_outcome_is_recorded(store, outcome):
     store.put(conv("s", range(10), range(100, 105)))
     claim = store.begin_turn("s")
@@ -159,6 +159,37 @@ def test_end_turn_twice_is_late(store):
     assert store.counts["late_end_turn"] == 1
     assert store.counts["pulled"] == 1
     assert store.counts["failed"] == 0
+
+
+def test_a_kept_claim_gives_the_handle_back_as_it_was(store, clock):
+    store.put(conv("main", range(10), range(100, 105)))
+    clock.advance(1)
+    store.put(conv("later", range(50, 60)))
+    pinned = store.pinned_blocks("d-0")
+    claim = store.begin_turn("main")
+    store.end_turn(claim.lease_id, TurnOutcome.KEPT, None)
+    assert store.counts["given_back"] == 1 and store.counts["unused"] == 0
+    stats = store.stats()
+    assert stats["claimed_handles"] == 0 and stats["open_leases"] == 0
+    assert stats["handles"] == {"stored": 2} and store.pinned_blocks("d-0") == pinned
+    assert store.take_releases() == []  # nothing goes back to the engine
+    again = store.begin_turn("main")
+    assert again.handle is claim.handle and again.conversation == claim.conversation
+    store.end_turn(again.lease_id, TurnOutcome.KEPT, None)
+    # Still in expiry order: "main" (stored first) expires first, "later" a second after.
+    clock.advance(TTL - 0.5)
+    assert store.begin_turn("main").handle is None
+    assert store.counts["expired"] == 1
+    later = store.begin_turn("later")
+    assert later.handle is not None
+
+
+def test_a_kept_claim_of_an_expired_handle_settles_it_unused(store, clock):
+    store.put(conv("main", range(10), range(100, 105)))
+    claim = store.begin_turn("main")
+    clock.advance(TTL + 1)
+    store.end_turn(claim.lease_id, TurnOutcome.KEPT, None)
+    assert store.counts["given_back"] == 0 and store.stats()["claimed_handles"] == 0
 
 
 def test_new_conversation_supersedes_stored_handle(store, clock):
