@@ -78,6 +78,10 @@ class TurnCount(enum.StrEnum):
     SPLICED = "spliced"  # token-in/token-out re-used the last answer's ids
     SESSIONLESS_MATCHED = "sessionless_matched"
     SESSIONLESS_NEW = "sessionless_new"
+    SESSION_FROM_AGENT = "session_from_agent"  # named by prompt_cache_key or Claude Code's metadata
+    SESSION_KEY_DIVERGED = "session_key_diverged"  # the prompt did not extend the keyed conversation
+    MAX_TOKENS_CLAMPED = "max_tokens_clamped"  # the answer limit was cut to the context's room
+    HOSTED_TOOLS_LEFT_OUT = "hosted_tools_left_out"  # Responses tools the server cannot run
     STORE_UNAVAILABLE = "store_unavailable"
     # The claimed handle.
     HANDLE_USED = "handle_used"

@@ -26,11 +26,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import messages_api, metrics, openai_api, responses_api
+from app import messages_api, metrics, openai_api, responses_api, sessions
 from app.auth import ApiKeys, Tenant, scoped
 from app.clients import ServeEngineClients, store_settings
 from app.config import AppConfig
 from app.errors import APIError, NotFound, ServerError, as_api_error, client_error, error_body
+from app.events import TurnCount
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.quotas import Quotas
 from app.responses import ResponseShaper, sse
@@ -119,6 +120,12 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
+async def _noted(events: AsyncIterator, note) -> AsyncIterator:
+    async for event in events:
+        note(event)
+        yield event
+
+
 async def _named_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Responses stream events as server-sent events named by their type."""
     async for event in events:
@@ -150,6 +157,7 @@ class Ingress:
         self._shaper = ResponseShaper(cfg.model_name, self._parsers.auto_tools, cfg.openai.compact_json)
         self._strip = [re.compile(p, re.MULTILINE) for p in cfg.openai.strip_system_patterns]
         self._merge_inline_system = messages_api.merge_inline_system(self._tok.hf)
+        self._sampling_defaults = openai_api.sampling_defaults(cfg)
         self._store = StoreClient.of_deployment(store, store_settings(cfg)) if store is not None else None
         store = self._store
         app_name = serve.get_replica_context().app_name
@@ -480,17 +488,23 @@ class Ingress:
                 raise APIError(
                     400, f"'{name}' has token ids outside the vocabulary (0..{vocab - 1})", param=name
                 )
+        keyed = False
+        if session_id is None and getattr(body, "prompt_cache_key", None):
+            session_id = sessions.bounded(body.prompt_cache_key, self._cfg.openai.max_session_id_chars)
+            keyed = True
         text, ids, parser = await events(body)
         if ids is not None and any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, "prompt token ids out of the vocabulary's range", param="prompt")
         if text is not None and ids is None:
             ids = tuple(await asyncio.to_thread(self._tok.encode, text))
         limit = body.answer_limit
-        max_tokens = limit or self._cfg.default_max_tokens
+        # No limit: the context's room (`Turns` cuts it to what the prompt leaves).
+        max_tokens = limit or self._cfg.default_max_tokens or self._cfg.max_model_len
         try:
-            params = body.to_sampling_params(max_tokens, {})
+            params = body.to_sampling_params(max_tokens, self._sampling_defaults)
         except (ValueError, TypeError) as exc:  # vLLM's checks of the client's values
             raise client_error(exc) from exc
+        openai_api.apply_min_tokens(params, body, self._sampling_defaults)
         if self._cfg.openai.compact_json:
             openai_api.compact_structural_tag(params)
         openai_api.check_structured_output(params)
@@ -516,6 +530,7 @@ class Ingress:
             max_tokens_given=limit is not None,
             stream=stream,
             retain=retain,
+            session_keyed=keyed,
         )
         return _Prepared(turn, tenant, parser)
 
@@ -571,11 +586,14 @@ class Ingress:
             kind, body, prepared.turn, prepared.parser, "".join(texts), token_ids, logprobs, result
         )
 
-    async def _chunks(self, kind: str, body, prepared: _Prepared) -> AsyncIterator[dict]:
+    async def _chunks(self, kind: str, body, prepared: _Prepared, note=None) -> AsyncIterator[dict]:
         """OpenAI chunks of a turn. The turn's first event is awaited before the first
-        chunk, so errors raised before the answer starts reach the caller first."""
+        chunk, so errors raised before the answer starts reach the caller first. `note`:
+        called with each turn event before it is shaped."""
         with self._admitted(prepared):
             events = self._turns.run(prepared.turn)
+            if note is not None:
+                events = _noted(events, note)
             record = lambda result: self._record_turn(result, body, prepared.tenant)  # noqa: E731
             async for chunk in self._shaper.chunks(
                 kind, body, prepared.turn, prepared.parser, events, record
@@ -606,6 +624,7 @@ class Ingress:
         request = messages_api.parse(data)
         self._check_model(request.model)
         body = messages_api.chat_request(request, merge_inline_system=self._merge_inline_system)
+        body.prompt_cache_key = sessions.claude_code_session(request.metadata)
         return messages_api.chat_extensions(data, body), messages_api.long_retention(data)
 
     async def _message(self, data: dict, session_id: str | None, tenant: Tenant) -> dict:
@@ -620,9 +639,17 @@ class Ingress:
         prepared = await self._prepare(
             body, session_id, self._chat_events, tenant, stream=True, retain=retain
         )
-        chunks = self._chunks("chat.completion", body, prepared)
-        first = await anext(chunks)
-        async for event in messages_api.events(_chain(first, chunks), len(prepared.turn.prompt_ids or ())):
+        reused: list[int] = []  # the first delta's count of prompt tokens not computed
+
+        def note(event) -> None:
+            if isinstance(event, Delta) and event.cached_tokens is not None and not reused:
+                reused.append(event.cached_tokens)
+
+        chunks = self._chunks("chat.completion", body, prepared, note)
+        first = await anext(chunks)  # the turn's first event is in: `reused` is known
+        prompt_tokens = len(prepared.turn.prompt_ids or ())
+        cached = reused[0] if reused else None
+        async for event in messages_api.events(_chain(first, chunks), prompt_tokens, cached):
             yield event
 
     async def _count_tokens(self, data: dict) -> dict:
@@ -638,6 +665,9 @@ class Ingress:
         if anything fails before its own response is stored (`_release`)."""
         request = responses_api.parse(data)
         self._check_model(request.model)
+        left_out = responses_api.hosted_tools(data)
+        if left_out:
+            self._turns.counts[TurnCount.HOSTED_TOOLS_LEFT_OUT] += len(left_out)
         previous, owner = None, False
         if request.previous_response_id is not None:
             previous, owner = await self._continue(tenant.namespace, request)

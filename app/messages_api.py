@@ -131,9 +131,14 @@ def _bare(cls):
     return cls.__new__(cls)
 
 
-async def events(chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int) -> AsyncIterator[str]:
+async def events(
+    chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, cached_tokens: int | None = None
+) -> AsyncIterator[str]:
     """Anthropic's server-sent events from our chat chunks (which must include the usage
-    chunk). An error after the stream started ends it with Anthropic's `error` event."""
+    chunk). `message_start` carries the prompt's size and, with `cached_tokens` (what the
+    turn had not to compute, known at its first token), `cache_read_input_tokens`; the
+    final split comes with `message_delta`. An error after the stream started ends it
+    with Anthropic's `error` event."""
     from vllm.entrypoints.anthropic.serving import wrap_data_with_event
 
     failed: list[BaseException] = []
@@ -144,13 +149,13 @@ async def events(chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int) -> A
             async for chunk in chunks:
                 chunk = {**chunk, "id": "msg_" + chunk["id"].removeprefix("chatcmpl-")}
                 if first:
-                    # `message_start` carries the prompt's size; the split into cached and
-                    # computed tokens comes with `message_delta` at the end.
                     chunk["usage"] = {
                         "prompt_tokens": prompt_tokens,
                         "completion_tokens": 0,
                         "total_tokens": prompt_tokens,
                     }
+                    if cached_tokens is not None:
+                        chunk["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
                     first = False
                 yield f"data: {json.dumps(_vllm_names(chunk))}\n\n"
         except Exception as exc:  # reported after what was converted so far

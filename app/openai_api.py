@@ -228,6 +228,44 @@ def _compact_grammar(schema: str) -> str:
 # -- output parsers ------------------------------------------------------------------------
 
 
+GENERATION_DEFAULTS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+)
+"""Sampling fields a model's `generation_config.json` may set for requests that leave them
+unset: the list vLLM's OpenAI server reads (`ModelConfig.get_diff_sampling_param`)."""
+
+
+def sampling_defaults(cfg: AppConfig) -> dict[str, Any]:
+    """The model's own sampling defaults (its `generation_config.json`), as vLLM's OpenAI
+    server applies them with `--generation-config auto`: a request's fields win; and
+    Hugging Face's `min_new_tokens` as `min_tokens`. Called once per ingress replica; a
+    model without the file has none."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(cfg.model).to_dict()
+    except (OSError, ValueError):
+        return {}
+    defaults = {name: config[name] for name in GENERATION_DEFAULTS if config.get(name) is not None}
+    if config.get("min_new_tokens"):
+        defaults["min_tokens"] = config["min_new_tokens"]
+    return defaults
+
+
+def apply_min_tokens(params, body, defaults: dict[str, Any]) -> None:
+    """The model's `min_tokens` default on a request that set none (vLLM's request models
+    default it to 0 without reading the model's defaults), within the answer's limit."""
+    floor = defaults.get("min_tokens")
+    if floor and "min_tokens" not in body.model_fields_set and not params.min_tokens:
+        params.min_tokens = min(floor, params.max_tokens or floor)
+
+
 def default_tool_parser(cfg: AppConfig) -> str | None:
     """The tool parser for `tool_call_parser: auto`: hermes-style `<tool_call>` JSON for
     the Qwen and Hermes families (the embedded model included), none otherwise."""

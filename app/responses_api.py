@@ -31,6 +31,7 @@ UNSUPPORTED = {
     "prompt": "prompt templates are not supported",
 }
 TEXT_PARTS = ("input_text", "output_text", "text")
+OFFERED_TOOL_TYPES = ("function", "namespace", "custom")
 
 
 def new_id(parent: str | None = None) -> str:
@@ -54,17 +55,23 @@ def parse(data: dict[str, Any]):
     if "input" not in data:
         raise APIError(400, "'input' is required", param="input")
     for i, tool in enumerate(data.get("tools") or []):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise APIError(
-                400, f"tools.{i}: only function tools are supported, not {kind!r}", param=f"tools.{i}"
-            )
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise APIError(400, f"tools.{i}: a tool must be an object with a 'type'", param=f"tools.{i}")
     value = data.get("max_output_tokens")
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise APIError(400, "'max_output_tokens' must be an integer of at least 1", param="max_output_tokens")
     request = ResponsesRequest.model_validate(data)
     request.request_id = new_id(request.previous_response_id)
     return request
+
+
+def hosted_tools(data: dict[str, Any]) -> list[str]:
+    """The types of the request's tools that the model is not offered: hosted tools the
+    server would run itself (`web_search`, `file_search`, `code_interpreter`, `mcp`, ...).
+    The model sees function tools, the functions of `namespace` tools (as
+    `<namespace>__<name>`, answered as namespaced `function_call` items) and `custom`
+    tools (as a one-string function): vLLM's `get_function_tools` draws that line."""
+    return [tool["type"] for tool in data.get("tools") or () if tool.get("type") not in OFFERED_TOOL_TYPES]
 
 
 def input_items(request) -> list[dict[str, Any]]:
@@ -171,6 +178,7 @@ def chat_request(request, messages: list[dict[str, Any]]) -> ChatCompletionReque
 
     body: dict[str, Any] = {
         "messages": messages,
+        "prompt_cache_key": request.prompt_cache_key,
         "max_completion_tokens": request.max_output_tokens,
         "parallel_tool_calls": request.parallel_tool_calls,
         "stream": bool(request.stream),
@@ -251,7 +259,7 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
         {
             "id": item["call_id"],
             "type": "function",
-            "function": {"name": item["name"], "arguments": item.get("arguments", "")},
+            "function": {"name": _flat_name(item), "arguments": item.get("arguments", "")},
         }
         for item in items
         if item.get("type") == "function_call"
@@ -262,6 +270,14 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     if reasoning:
         message["reasoning"] = "".join(reasoning)
     return message
+
+
+def _flat_name(item: dict[str, Any]) -> str:
+    """A call's function name as the model wrote it (a namespaced call's flat name)."""
+    from vllm.tool_parsers.utils import flat_namespace_tool_name
+
+    namespace = item.get("namespace")
+    return flat_namespace_tool_name(namespace, item["name"]) if namespace else item["name"]
 
 
 def _texts(items: list[dict[str, Any]], kind: str) -> list[str]:

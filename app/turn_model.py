@@ -84,6 +84,11 @@ class TurnInput:
     retain: bool = False
     """The client asked for long retention (Anthropic `cache_control` ttl "1h"): the
     store evicts this conversation's pinned KV after ones that did not ask."""
+    session_keyed: bool = False
+    """`session_id` is the agent's own key (`prompt_cache_key`, Claude Code's session id),
+    not an `x-session-id` header: a turn whose prompt does not extend that conversation
+    (a sub-agent or a fork under the same key) is matched by its prompt instead, so it
+    never takes the keyed conversation's place."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ class Delta:
     token_ids: tuple[int, ...]
     logprobs: tuple | None = None
     """The engine's `TokenLogprob`s of these tokens, when the request asked for them."""
+    cached_tokens: int | None = None
+    """On an answer's first delta: prompt tokens not computed for this turn, as known at
+    its first token (Anthropic's `message_start` reports them)."""
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class Turns:
             texts: list[str] = []
             held: list[Delta] = []  # a turn that does not stream: its deltas, until the end
             sent = False  # a delta reached the client: the answer can no longer start over
+            announced = False  # the first delta (with the tokens reused so far) was made
             final, replica, recomputed, continued = None, None, False, False
             leg = None
             if local and request.preferred_replica:
@@ -128,7 +129,7 @@ class Turns:
                         generated.clear()
                         texts.clear()
                         held.clear()
-                        final, recomputed = None, True
+                        final, recomputed, announced = None, True, False
                         continue
                     if isinstance(item, Continued):
                         # Another replica goes on with the same answer: what was sent stays.
@@ -145,7 +146,12 @@ class Turns:
                     generated.extend(chunk.token_ids)
                     texts.append(chunk.text)
                     if chunk.token_ids or chunk.text:
-                        delta = Delta(chunk.text, chunk.token_ids, chunk.logprobs)
+                        known = None
+                        if not announced:  # the answer's first delta says what was reused
+                            announced = True
+                            on_decode = recomputed or local or not self._cfg.disaggregated
+                            known = min(chunk.num_cached_tokens, len(prompt_ids)) if on_decode else cached
+                        delta = Delta(chunk.text, chunk.token_ids, chunk.logprobs, known)
                         if turn.stream:
                             sent = True
                             yield delta
@@ -205,18 +211,26 @@ class Turns:
         session_id, prompt_ids = turn.session_id, turn.prompt_ids
         if self._store is None:
             return session_id or turn.namespace + _new_session(), prompt_ids, None
-        if session_id is None and self._cfg.sessions.match_sessionless:
-            if prompt_ids is None:
-                prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
-            session_id, _ = await self._store_call(
-                self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match"
-            )
-            if session_id is not None and not session_id.startswith(turn.namespace):
-                session_id = None  # another tenant's conversation: never matched across
-            self.counts[TurnCount.SESSIONLESS_MATCHED if session_id else TurnCount.SESSIONLESS_NEW] += 1
+        claim = None
+        if session_id is not None and turn.session_keyed:
+            self.counts[TurnCount.SESSION_FROM_AGENT] += 1
+            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
+            if claim is not None and not _extends(turn, prompt_ids, claim.conversation):
+                # A sub-agent or a fork under the agent's key: the keyed conversation
+                # stays as it is, and this turn finds its own by its prompt.
+                self.counts[TurnCount.SESSION_KEY_DIVERGED] += 1
+                given_back = self._store.end_turn(claim, TurnOutcome.KEPT, None)
+                await self._store_call(given_back, None, "end_turn")
+                keyed, claim = session_id, None
+                session_id, prompt_ids = await self._matched(turn, prompt_ids)
+                if session_id == keyed:
+                    session_id = None
+        elif session_id is None:
+            session_id, prompt_ids = await self._matched(turn, prompt_ids)
         session_id = session_id or turn.namespace + _new_session()
         # Store unavailable: the turn runs without reuse and is not stored.
-        claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
+        if claim is None:
+            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
         wait_until = time.monotonic() + self._cfg.drain.wait_s
         while claim is not None and claim.miss_reason == MissReason.MOVING and time.monotonic() < wait_until:
             # A stopping decode replica is handing this conversation to a peer (`app.drain`):
@@ -232,6 +246,22 @@ class Turns:
                 seconds,
             )
         return session_id, prompt_ids, claim
+
+    async def _matched(self, turn: TurnInput, prompt_ids) -> tuple[str | None, tuple[int, ...] | None]:
+        """The stored conversation of the turn's tenant that its prompt continues, by the
+        store's prompt index (`sessions.match_sessionless`), or None."""
+        if not self._cfg.sessions.match_sessionless:
+            return None, prompt_ids
+        assert self._store is not None
+        if prompt_ids is None:
+            prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
+        session_id, _ = await self._store_call(
+            self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match"
+        )
+        if session_id is not None and not session_id.startswith(turn.namespace):
+            session_id = None  # another tenant's conversation: never matched across
+        self.counts[TurnCount.SESSIONLESS_MATCHED if session_id else TurnCount.SESSIONLESS_NEW] += 1
+        return session_id, prompt_ids
 
     async def _store_call(self, call, default, what: str):
         """Await a store call; if it fails (the client's deadline included), count
@@ -266,15 +296,19 @@ class Turns:
         room = self._cfg.max_model_len - len(prompt_ids)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="messages")
-        if room < 1 or (turn.max_tokens_given and turn.sampling.max_tokens > room):
+        if room < 1:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self._cfg.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} tokens and {turn.sampling.max_tokens} were requested for the answer.",
+                f"{len(prompt_ids)} tokens, which leaves no room for an answer.",
                 param="messages",
                 code="context_length_exceeded",
             )
-        if not turn.max_tokens_given and turn.sampling.max_tokens > room:
+        if turn.sampling.max_tokens > room:
+            # As vLLM's OpenAI server does: the answer may take what the context has
+            # left (it then ends with finish_reason "length").
+            if turn.max_tokens_given:
+                self.counts[TurnCount.MAX_TOKENS_CLAMPED] += 1
             return Sampling(**{**turn.sampling.__dict__, "max_tokens": room})
         return turn.sampling
 
@@ -403,3 +437,14 @@ MOVE_POLL_S = 0.05
 
 def _new_session() -> str:
     return "s-" + uuid.uuid4().hex
+
+
+def _extends(turn: TurnInput, prompt_ids, conv: Conversation | None) -> bool:
+    """Whether the turn's prompt continues the stored conversation `conv` (its text, or
+    its exact tokens); True when there is none to compare (a new or busy session)."""
+    if conv is None:
+        return True
+    if turn.prompt_text is not None and conv.text is not None and turn.prompt_text.startswith(conv.text):
+        return True
+    ids = prompt_ids if prompt_ids is not None else turn.prompt_ids
+    return ids is not None and tuple(ids[: len(conv.token_ids)]) == conv.token_ids

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from app import messages_api, openai_api, responses_api
+from app import messages_api, openai_api, responses_api, sessions
 from app.errors import APIError, RateLimited
 
 WEATHER = {
@@ -190,7 +190,7 @@ def test_response_ids_keep_their_chain_part():
         ({"model": "m"}, "input"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "conversation": "conv_1"}, "conversation"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"input": "hi", "tools": ["web_search"]}, "tools.0"),
         ({"input": "hi", "kv_transfer_params": {"x": 1}}, "kv_transfer_params"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ],
@@ -199,6 +199,85 @@ def test_bad_responses_requests_are_refused(data, param):
     with pytest.raises(APIError) as info:
         responses_api.parse(data)
     assert info.value.status == 400 and info.value.param == param
+
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {}}},
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "Tools for spawning and managing sub-agents.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "spawn_agent",
+                "parameters": {"type": "object", "properties": {"message": {"type": "string"}}},
+            }
+        ],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def test_codex_tools_namespace_functions_are_offered_and_hosted_tools_left_out():
+    data = {
+        "input": "hi",
+        "tools": CODEX_TOOLS,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "reasoning": {"summary": "auto"},
+        "prompt_cache_key": "thread-1",
+        "client_metadata": {"turn_id": "t1"},
+    }
+    request = responses_api.parse(data)
+    assert responses_api.hosted_tools(data) == ["web_search"]
+    chat = responses_api.chat_request(request, responses_api.chat_messages(request, None))
+    assert [t.function.name for t in chat.tools] == ["exec_command", "multi_agent_v1__spawn_agent"]
+    assert chat.prompt_cache_key == "thread-1"
+    # The model's call of the flat name goes back as Codex reads it: a namespaced call.
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"message":"go"}'},
+            }
+        ],
+    }
+    (item,) = responses_api.output_items(request, message)
+    assert item["type"] == "function_call"
+    assert (item["name"], item["namespace"], item["call_id"]) == ("spawn_agent", "multi_agent_v1", "call_1")
+    # ...and renders as the model wrote it when the history comes back.
+    assert responses_api.assistant_message([item])["tool_calls"][0]["function"]["name"] == (
+        "multi_agent_v1__spawn_agent"
+    )
+    follow = responses_api.parse(
+        {
+            "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {k: v for k, v in item.items() if k != "id"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "agent 7 started"},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+            ],
+            "tools": CODEX_TOOLS,
+        }
+    )
+    messages = responses_api.chat_messages(follow, None)
+    call = next(m for m in messages if m.get("tool_calls"))
+    assert call["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+
+
+def test_agents_session_keys():
+    assert sessions.bounded("thread-1", 256) == "thread-1"
+    long = sessions.bounded("x" * 300, 256)
+    assert long.startswith("k-") and len(long) <= 256 and long == sessions.bounded("x" * 300, 256)
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "ef8e"})
+    assert sessions.claude_code_session({"user_id": user_id}) == "ef8e"
+    assert sessions.claude_code_session({"user_id": "user-42"}) is None  # a user, not a session
+    assert sessions.claude_code_session({"user_id": "{not json"}) is None
+    assert sessions.claude_code_session(None) is None
 
 
 def test_a_continuation_renders_instructions_history_and_new_items():

@@ -953,8 +953,11 @@ async def test_default_max_tokens_clipped_to_room(model_dir):
     _, ids, r = await rig.turn(text=P1, max_tokens=16, given=False)  # 46-token prompt
     assert r.completion_tokens == 4 and len(ids) == 4
     assert rig.engines.decode_requests[0][0].sampling.max_tokens == 4
-    with pytest.raises(APIError):
-        await rig.turn(text=P1, max_tokens=16, given=True, session="s2")
+    assert rig.turns.counts["max_tokens_clamped"] == 0  # the server's default, not the client's
+    # A limit the client set is clamped the same way (vLLM's rule), and counted.
+    _, ids, r = await rig.turn(text=P1, max_tokens=16, given=True, session="s2")
+    assert r.completion_tokens == 4 and r.finish_reason == "length"
+    assert rig.turns.counts["max_tokens_clamped"] == 1
 
 
 async def test_empty_prompt_refused(model_dir):
@@ -1551,3 +1554,42 @@ async def test_a_new_session_past_the_tenants_live_limit_is_a_429_with_nothing_c
     assert len(rig.engines.decode_requests) == 1  # nothing was computed for it
     _, _, again = await rig.turn(text=P1, session="s1")  # the live session goes on
     assert again.session_id == "s1"
+
+
+# -- agents' own session keys and the context's room -------------------------------------------
+
+
+async def test_an_agent_key_names_its_session_and_a_sub_agent_under_it_takes_its_own(model_dir):
+    rig = Rig(model_dir)
+    text1, _, r1 = await rig.turn(text=P1, session="codex-thread", session_keyed=True)
+    assert r1.session_id == "codex-thread" and r1.miss_reason == "no_conversation"
+    main2 = P1 + text1 + USER2
+    # The main line's next turn claims the keyed conversation: no prompt search.
+    text2, _, r2 = await rig.turn(text=main2, session="codex-thread", session_keyed=True)
+    assert r2.session_id == "codex-thread" and r2.miss_reason is None and r2.reused_from_decode > 0
+    assert rig.turns.counts["sessionless_matched"] == 0
+    # A sub-agent sends the same key with a prompt that does not extend that conversation:
+    # it runs in a session of its own, and the keyed conversation keeps its KV handle.
+    _, _, sub = await rig.turn(text=P1 + " Explore the tests.", session="codex-thread", session_keyed=True)
+    assert sub.session_id != "codex-thread"
+    assert rig.turns.counts["session_key_diverged"] == 1
+    _, _, r3 = await rig.turn(text=main2 + text2 + USER2, session="codex-thread", session_keyed=True)
+    assert r3.session_id == "codex-thread" and r3.miss_reason is None and r3.reused_from_decode > 0
+    assert rig.turns.counts["session_from_agent"] == 4
+
+
+async def test_a_header_session_is_trusted_whatever_the_prompt(model_dir):
+    rig = Rig(model_dir)
+    await rig.turn(text=P1, session="explicit")
+    _, _, other = await rig.turn(text=USER2, session="explicit")
+    assert other.session_id == "explicit" and rig.turns.counts["session_key_diverged"] == 0
+
+
+async def test_max_tokens_past_the_context_are_clamped_as_vllm_does(model_dir):
+    rig = Rig(model_dir, max_model_len=64)
+    prompt = enc(P1)
+    room = 64 - len(prompt)
+    assert 0 < room < 100
+    _, ids, result = await rig.turn(text=P1, max_tokens=100)
+    assert len(ids) == room and result.completion_tokens == room and result.finish_reason == "length"
+    assert rig.turns.counts["max_tokens_clamped"] == 1
