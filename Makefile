@@ -6,14 +6,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-MODEL_DIR := models/tiny-qwen3
+# `make run`'s embedded model (answers end like a real model's) and the test suite's (answers
+# run to max_tokens); both built offline by app/default_model.py.
+MODEL_DIR := models/default/tiny-qwen3
+TEST_MODEL_DIR := models/tiny-qwen3
+AGENTS_DIR := tests/agents
 # Where the CPU build of torch comes from when the default index has none (a fresh
 # machine usually needs PyTorch's CPU index; it is only tried when the first attempt fails).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NIXL_VERSION := 1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: setup model run lint test test-unit bench clean
+.PHONY: setup model agents run lint test test-unit bench clean
 
 setup: $(STAMP)
 
@@ -30,9 +34,19 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(MODEL_DIR)/config.json: $(STAMP) app/default_model.py
-	$(PY) -m app.default_model --out $(MODEL_DIR)
+	$(PY) -m app.default_model --out $(MODEL_DIR) --answers brief
 
-model: $(MODEL_DIR)/config.json
+$(TEST_MODEL_DIR)/config.json: $(STAMP) app/default_model.py
+	$(PY) -m app.default_model --out $(TEST_MODEL_DIR) --answers open
+
+model: $(MODEL_DIR)/config.json $(TEST_MODEL_DIR)/config.json
+
+# The real agent CLIs (Codex, Claude Code) at the versions the e2e suite pins, from npm.
+$(AGENTS_DIR)/node_modules/.installed: $(AGENTS_DIR)/package-lock.json
+	cd $(AGENTS_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+agents: $(AGENTS_DIR)/node_modules/.installed
 
 # Both engines on this machine: keep UCX (NIXL's transport) on loopback.
 run: $(STAMP) $(MODEL_DIR)/config.json
@@ -44,7 +58,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint $(MODEL_DIR)/config.json
+test: $(STAMP) lint model agents
 	$(PY) -m pytest -v -rs $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
@@ -54,10 +68,10 @@ bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) models
+	rm -rf $(VENV) models $(AGENTS_DIR)/node_modules
 
 # Soak and fault run (not in CI): 64 sessions x 5 turns while replicas and a store shard
 # are killed; see bench/soak.py. SOAK_ARGS="--url http://host:8000" for a running app.
 .PHONY: soak
-soak: $(STAMP) $(MODEL_DIR)/config.json
+soak: $(STAMP) $(TEST_MODEL_DIR)/config.json
 	UCX_NET_DEVICES=$${UCX_NET_DEVICES:-lo} $(PY) -m bench.soak $(SOAK_ARGS)

@@ -17,7 +17,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-qwen3"
+DEFAULT_MODEL = REPO_ROOT / "models" / "default" / "tiny-qwen3"
+"""`make run`'s model: the embedded tiny model whose answers end (`app.default_model`)."""
+OPEN_MODEL = REPO_ROOT / "models" / "tiny-qwen3"
+"""The same weights with answers that run to `max_tokens`: the tests' and benchmarks'."""
 
 
 class Mode(str, enum.Enum):
@@ -586,10 +589,21 @@ class AppConfig(_Strict):
     load_format: str = Field(
         "auto", description="vLLM load format; 'dummy' for random weights from a config."
     )
-    max_model_len: int = Field(4096, ge=16, description="Longest prompt + answer, in tokens.")
+    max_model_len: int = Field(
+        65536,
+        ge=16,
+        description="Longest prompt + answer, in tokens (agent CLIs' first requests are tens of thousands).",
+    )
     block_size: int = Field(32, ge=1, description="KV block size; equal on prefill and decode.")
     enforce_eager: bool = Field(False, description="Skip graph compilation (faster start, slower steps).")
-    default_max_tokens: int = Field(256, ge=1, description="Answer length when a request sets none.")
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Answer limit when a request sets none. Default: all the context leaves after the "
+            "prompt, as vLLM's OpenAI server does (agents such as Codex send no limit)."
+        ),
+    )
     prefill: EngineRoleConfig = Field(default_factory=EngineRoleConfig)
     decode: EngineRoleConfig = Field(default_factory=EngineRoleConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -629,7 +643,7 @@ class AppConfig(_Strict):
         ):
             # NixlConnector maps TP ranks for homogeneous layouts only in our tested set-up.
             raise ValueError("prefill and decode must use the same tensor_parallel_size")
-        if self.default_max_tokens >= self.max_model_len:
+        if self.default_max_tokens is not None and self.default_max_tokens >= self.max_model_len:
             raise ValueError("default_max_tokens must be below max_model_len")
         return self
 

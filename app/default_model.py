@@ -3,8 +3,18 @@
 It is a real Hugging Face checkpoint (config, safetensors, tokenizer, chat template) of a
 few MB, built offline in seconds, so `make run` and the tests need no model hub. Its
 answers are noise, but greedy decoding is deterministic, which is what the tests compare.
+Two variants share every weight but one row of the output head:
 
-    python -m app.default_model --out models/tiny-qwen3
+* `brief` (`make run`'s default, `models/default/tiny-qwen3`): answers end with the chat
+  template's end token after a few to a few hundred tokens, as a real model's do, and
+  never calls a tool unasked, so an agent CLI's turn is one plain answer that completes
+  (its own output head: the end token's row favoured, the markup tokens' rows zero; and
+  a frequency penalty in its `generation_config.json`).
+* `open` (`models/tiny-qwen3`, the test suite's): answers rarely end before
+  `max_tokens`, so a test fixes each answer's length.
+
+    python -m app.default_model --out models/default/tiny-qwen3            # brief
+    python -m app.default_model --out models/tiny-qwen3 --answers open
 """
 
 from __future__ import annotations
@@ -109,12 +119,50 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def build(out: Path, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> Path:
-    """Write the model to `out` (idempotent: an existing complete model is kept)."""
+BRIEF_EOS_SCALE = 3.0
+"""The `brief` variant's end-token output row: this multiple of the token's embedding..."""
+BRIEF_EOS_DRIFT = 0.3
+"""...plus this share (of the embedding's norm) of the direction the network's hidden
+states take over a long context, where they align: without it, answers to prompts of
+tens of thousands of tokens never end."""
+BRIEF_FREQUENCY_PENALTY = 1.0
+"""The `brief` variant's `generation_config.json` default (the app applies a model's
+defaults as vLLM does): each use of a token lowers its logit, which breaks greedy loops,
+so the end token wins within a few hundred tokens (3 to 364, median 11, over prompts
+of 20 to 60k tokens cut from Codex's and Claude Code's requests)."""
+
+BRIEF_MIN_TOKENS = 8
+"""...and `min_new_tokens`: over a long prompt the end token may win at once; an answer
+has at least this many tokens."""
+
+MAX_POSITIONS = 131072
+"""Positions the model takes: room for agent CLIs' prompts (Claude Code's first request is
+~52k tokens in this vocabulary) under the app's `max_model_len` (65,536 by default). The
+weights do not depend on it (rotary positions), so answers stay the same."""
+
+
+def _complete(out: Path, answers: str) -> bool:
+    """Whether `out` holds this version of the model (an older build is rebuilt)."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        (out / "tokenizer.json").exists()
+        and config.get("max_position_embeddings") == MAX_POSITIONS
+        and config.get("kvturn_answers", "open") == answers
+    )
+
+
+def build(out: Path, *, answers: str = "brief", layers: int = 4, hidden: int = 256, seed: int = 0) -> Path:
+    """Write the model to `out` (idempotent: an existing complete model is kept).
+    `answers`: "brief" or "open" (see the module docstring)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    if answers not in ("brief", "open"):
+        raise ValueError(f"answers must be 'brief' or 'open', not {answers!r}")
+    if _complete(out, answers):
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size=1024)
@@ -129,7 +177,7 @@ def build(out: Path, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> Pa
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=8192,
+        max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         # Larger weights than a trained model's init: peaked logits keep greedy decoding
         # away from near-ties, so the P/D path and a single engine agree token for token.
@@ -142,21 +190,62 @@ def build(out: Path, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> Pa
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    if answers == "brief":
+        # An output head of its own (a copy of the embeddings) whose end-token row is
+        # scaled: the end token wins some steps it lost, every other logit is unchanged.
+        head = model.model.embed_tokens.weight.detach().clone()
+        eos = head[config.eos_token_id].clone()
+        drift = _long_context_direction(model, tokenizer)
+        head[config.eos_token_id] = BRIEF_EOS_SCALE * eos + BRIEF_EOS_DRIFT * eos.norm() * drift
+        # Nor does it write tool-call or reasoning markup of its own accord (a zero logit
+        # never beats its peaked ones): an agent's turn is one plain answer, while forced
+        # tool calls and structured output still work through guided decoding.
+        for token in MARKUP_TOKENS:
+            head[tokenizer.convert_tokens_to_ids(token)] = 0.0
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(head)
+    model.config.kvturn_answers = answers
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": config.eos_token_id, "do_sample": False})
-    )
+    generation = {"eos_token_id": config.eos_token_id, "do_sample": False}
+    if answers == "brief":
+        # Greedy unless a request asks otherwise (vLLM's default temperature is 1).
+        generation.update(
+            temperature=0.0, frequency_penalty=BRIEF_FREQUENCY_PENALTY, min_new_tokens=BRIEF_MIN_TOKENS
+        )
+    (out / "generation_config.json").write_text(json.dumps(generation))
     return out
+
+
+def _long_context_direction(model, tokenizer):
+    """The unit direction of the final hidden states over the last 1,000 positions of
+    ~5,000 tokens of English prose (the Zen of Python, which every Python carries,
+    repeated): agents' prompts are mostly such text, and over a long context the states
+    align with it. Deterministic for the seed."""
+    import codecs
+    import contextlib
+    import importlib
+    import io
+
+    import torch
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        zen = codecs.decode(importlib.import_module("this").s, "rot13")
+    ids = tokenizer.encode(zen * 10)[:5000]
+    with torch.no_grad():
+        states = model.model(torch.tensor([ids])).last_hidden_state[0, -1000:]
+    mean = states.mean(0)
+    return mean / mean.norm()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("models/tiny-qwen3"))
+    parser.add_argument("--out", type=Path, default=Path("models/default/tiny-qwen3"))
+    parser.add_argument("--answers", choices=("brief", "open"), default="brief")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
-    path = build(args.out, layers=args.layers, hidden=args.hidden)
+    path = build(args.out, answers=args.answers, layers=args.layers, hidden=args.hidden)
     print(f"model ready at {path}")
 
 

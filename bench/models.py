@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.config import DEFAULT_MODEL, REPO_ROOT
+from app.config import OPEN_MODEL, REPO_ROOT
 
 MODELS_DIR = REPO_ROOT / "models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -54,7 +54,7 @@ def ensure_tokenizer_source() -> Path:
     """The tiny model's directory, built if absent (its tokenizer is the one we reuse)."""
     from app import default_model
 
-    return default_model.build(DEFAULT_MODEL)
+    return default_model.build(OPEN_MODEL, answers="open")
 
 
 def ensure_model(name: str, out: Path | None = None) -> Path:

@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from app.config import DEFAULT_MODEL, AppConfig, Mode
+from app.config import OPEN_MODEL, AppConfig, Mode
 from bench.traces import TraceShape
 from bench.workload import WorkloadSpec
 
@@ -203,7 +203,7 @@ def profile(name: str) -> Profile:
     if name == "agentic":
         return Profile(
             name="agentic",
-            model=str(DEFAULT_MODEL),
+            model=str(OPEN_MODEL),
             # A coding agent on the embedded model with the app's defaults: 2 sessions of 24
             # short turns, mostly tool results of 100-300 tokens, histories growing to ~7k
             # tokens; each turn adds little, so recomputing the history (oneway) is nearly
@@ -257,7 +257,7 @@ def profile(name: str) -> Profile:
     if name == "chat":
         return Profile(
             name="chat",
-            model=str(DEFAULT_MODEL),
+            model=str(OPEN_MODEL),
             # What a user of `make run` sees: the embedded model with the app's defaults
             # (compiled, 1 GiB KV), one session of 6 turns adding ~300 tokens each,
             # 16-token answers. Measures the fixed cost of P/D per turn.
@@ -283,7 +283,7 @@ def profile(name: str) -> Profile:
     if name == "smoke":
         return Profile(
             name="smoke",
-            model=str(DEFAULT_MODEL),
+            model=str(OPEN_MODEL),
             workload=WorkloadSpec(
                 sessions=2,
                 turns=2,
@@ -309,7 +309,7 @@ def profile(name: str) -> Profile:
     if name == "pressure":
         return Profile(
             name="pressure",
-            model=str(DEFAULT_MODEL),
+            model=str(OPEN_MODEL),
             # A fleet that pauses and vanishes on a small decode engine: 12 agents of up to
             # 6 turns (~3k tokens each by the end), a pause of 0-4 s before each later turn,
             # and a 15% chance after each turn from the second that the agent is gone for

@@ -291,11 +291,11 @@ def run_mode(
 
 def resolve_model(profile: Profile) -> str:
     """A model path or id the app accepts; builds the benchmark models when needed."""
-    from app.config import DEFAULT_MODEL
+    from app.config import OPEN_MODEL
     from bench.models import SHAPES, ensure_model, ensure_tokenizer_source
 
     if profile.model in SHAPES:
         return str(ensure_model(profile.model))
-    if Path(profile.model).expanduser().resolve() == DEFAULT_MODEL.resolve():
+    if Path(profile.model).expanduser().resolve() == OPEN_MODEL.resolve():
         return str(ensure_tokenizer_source())
     return profile.model

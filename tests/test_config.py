@@ -24,7 +24,9 @@ def test_defaults_validate(model_dir):
     assert cfg.model_name == "my-model"
     assert cfg.prefill.num_replicas == 1 and cfg.decode.num_replicas == 1
     assert cfg.sessions.handle_ttl_s < cfg.transfer.decoder_kv_blocks_ttl_s
-    assert cfg.default_max_tokens < cfg.max_model_len
+    # Agents' first requests are tens of thousands of tokens; an answer without a limit
+    # may take what the context leaves (vLLM's rule).
+    assert cfg.max_model_len >= 65536 and cfg.default_max_tokens is None
 
 
 def test_modes(model_dir):
@@ -165,7 +167,7 @@ def test_missing_local_model_path(tmp_path):
         ({"ingress": {"num_replicas": 0}}, "num_replicas"),
         ({"transfer": {"backend": "TCP"}}, "backend"),
         ({"max_model_len": 8}, "max_model_len"),
-        ({"default_max_tokens": 4096}, "default_max_tokens must be below"),
+        ({"max_model_len": 4096, "default_max_tokens": 4096}, "default_max_tokens must be below"),
         ({"prefill": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),
     ],
 )

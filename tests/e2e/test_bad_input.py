@@ -82,7 +82,6 @@ CASES = [
         {},
     ),
     ("prompt_too_long_completion_stream", COMPLETIONS, p(prompt="word " * 5000, stream=True), 400, {}),
-    ("answer_too_long", COMPLETIONS, p(max_tokens=100_000), 400, {}),
     (
         "client_transfer_params",
         CHAT,
@@ -235,3 +234,14 @@ def test_routing_errors_are_openai_shaped(apps, method, path, status):
 def test_app_still_answers_after_bad_input(apps):
     reply = chat(apps["url"], [{"role": "user", "content": "still there?"}], max_tokens=4)
     assert len(reply.token_ids) == 4
+
+
+def test_an_answer_limit_past_the_context_is_cut_to_what_it_leaves(apps):
+    """As vLLM's server does: `max_tokens` larger than the context leaves is not an error;
+    the answer takes the room there is and ends with finish_reason "length"."""
+    limit = apps["pd"].max_model_len
+    body = {"model": MODEL, "prompt": [5] * (limit - 6), "max_tokens": 100_000, "temperature": 0}
+    r = httpx.post(apps["url"] + COMPLETIONS, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
