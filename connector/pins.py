@@ -57,12 +57,17 @@ class PinLedger:
     def hold(self, handle: KVHandle) -> None:
         self.waiting[handle.engine_id] += handle.num_blocks
 
+    def unhold(self, handle: KVHandle) -> None:
+        """Undo `hold`: the handle's blocks are no longer waiting under it (nothing is
+        released; the handle's engine keeps them)."""
+        self.waiting[handle.engine_id] -= handle.num_blocks
+
     def let_go(
         self, handle: KVHandle, reason: HandleState, stored_at: float, decode_replica: str | None, now: float
     ) -> None:
         """A held handle leaves; unless it was read or its engine is gone, its release
         goes to the outbox and its blocks stay counted until taken or freed by the TTL."""
-        self.waiting[handle.engine_id] -= handle.num_blocks
+        self.unhold(handle)
         if reason not in (HandleState.PULLED, HandleState.DROPPED):
             self.unread_handle(handle, reason, stored_at, decode_replica, now)
 

@@ -533,7 +533,7 @@ class HandleStore:
         self._claimed -= 1
         self.counts[StoreEvent.GIVEN_BACK] += 1
         # Entering STORED holds its blocks and share again: let go of the claim's first.
-        self._pins.let_go(handle, HandleState.PULLED, lease.stored_at, lease.decode_replica, now)
+        self._pins.unhold(handle)
         self._shares.let_go(handle.engine_id, tenant_of(lease.session_id), handle.num_blocks)
         self._transition(record, HandleState.STORED)
         self._refile_expiry(record)
