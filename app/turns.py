@@ -59,6 +59,11 @@ class Turns:
         self.local_pace: dict[str, LegPace] = {}
         """Per decode replica: the turns it computes alone (`_decode_local`)."""
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
+        t = cfg.transfer
+        itl_s, chunk = t.itl_target_ms / 1000, decode_prompt_chunk(cfg)
+        self._limits = Limits(t.decode_local_tokens, t.decode_local_busy_tokens, itl_s, chunk)
+        self._placement = place if t.placement == "priced" else place_static
+        """The placement policy (`transfer.placement`) and its limits, fixed by the config."""
         self.streams = DecodeStreams()
         """Per decode replica: the answers streaming there, their pace; P/D hand-offs."""
         self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace, tokenizer.piece)
@@ -374,9 +379,6 @@ class Turns:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None
-        t = self._cfg.transfer
-        chunk = decode_prompt_chunk(self._cfg)
-        limits = Limits(t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, chunk)
         prefill = PrefillLoad(
             self.pace.seconds_per_token, self.pace.tokens_in_flight, self.streams.handoff.value
         )
@@ -389,8 +391,7 @@ class Turns:
                 streams.streams,
                 streams.seconds_per_token.value,
             )
-        policy = place if t.placement == "priced" else place_static
-        placement = policy(new_tokens, prefill, decode, limits)
+        placement = self._placement(new_tokens, prefill, decode, self._limits)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
         return placement.reason if placement.local else None
 
