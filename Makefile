@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # `make run`'s embedded model (answers end like a real model's) and the test suite's (answers
-# run to max_tokens); both built offline by app/default_model.py.
+# run to max_tokens); both built offline by app/engines/default_model.py.
 MODEL_DIR := models/default/tiny-qwen3
 TEST_MODEL_DIR := models/tiny-qwen3
 AGENTS_DIR := tests/agents
@@ -33,11 +33,11 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-$(MODEL_DIR)/config.json: $(STAMP) app/default_model.py
-	$(PY) -m app.default_model --out $(MODEL_DIR) --answers brief
+$(MODEL_DIR)/config.json: $(STAMP) app/engines/default_model.py
+	$(PY) -m app.engines.default_model --out $(MODEL_DIR) --answers brief
 
-$(TEST_MODEL_DIR)/config.json: $(STAMP) app/default_model.py
-	$(PY) -m app.default_model --out $(TEST_MODEL_DIR) --answers open
+$(TEST_MODEL_DIR)/config.json: $(STAMP) app/engines/default_model.py
+	$(PY) -m app.engines.default_model --out $(TEST_MODEL_DIR) --answers open
 
 model: $(MODEL_DIR)/config.json $(TEST_MODEL_DIR)/config.json
 

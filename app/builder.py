@@ -18,15 +18,15 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.autoscaling import serve_autoscaling_config
-from app.clients import store_settings
+from app.api.ingress import Ingress
 from app.config import AppConfig, EngineRoleConfig, Mode
-from app.ingress import Ingress
-from app.servers import DecodeServer, PrefillServer
+from app.engines.servers import DecodeServer, PrefillServer
+from app.fleet.autoscaling import serve_autoscaling_config
+from app.fleet.clients import store_settings
 from connector.actor import SessionStore
 
 logger = logging.getLogger("ray.serve")
-_ROUTER = "app.routing.SessionAffinityRouter"
+_ROUTER = "app.fleet.routing.SessionAffinityRouter"
 
 
 def _actor_options(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
         graceful_shutdown_timeout_s=cfg.drain.answer_grace_s,
     )
     if role is cfg.decode and cfg.reuses_kv and cfg.drain.migrate:
-        # In-flight answers first, then the moves of the pinned conversations (`app.drain`).
+        # In-flight answers first, then the moves of the pinned conversations (`app.fleet.drain`).
         options["graceful_shutdown_timeout_s"] = cfg.drain.answer_grace_s + cfg.drain.budget_s
     if role.autoscaling is not None:
         name = "decode" if role is cfg.decode else "prefill"

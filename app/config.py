@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "default" / "tiny-qwen3"
-"""`make run`'s model: the embedded tiny model whose answers end (`app.default_model`)."""
+"""`make run`'s model: the embedded tiny model whose answers end (`app.engines.default_model`)."""
 OPEN_MODEL = REPO_ROOT / "models" / "tiny-qwen3"
 """The same weights with answers that run to `max_tokens`: the tests' and benchmarks'."""
 
@@ -37,7 +37,7 @@ class _Strict(BaseModel):
 
 
 class AutoscalingRoleConfig(_Strict):
-    """Serve autoscaling of one role on the app's own signals (`app.autoscaling`): decode on
+    """Serve autoscaling of one role on the app's own signals (`app.fleet.autoscaling`): decode on
     the share of its KV blocks in use (running and pinned), prefill on the new prompt
     tokens in flight. Serve applies the bounds and delays."""
 
@@ -114,7 +114,7 @@ class EngineRoleConfig(_Strict):
         ge=1,
         description=(
             "CPU engines: OpenMP threads per engine. None: the node's cores times this replica's "
-            "share of the node's CPU resource (num_cpus / node CPUs), at least 1 (app.sizing)."
+            "share of the node's CPU resource (num_cpus / node CPUs), at least 1 (app.engines.sizing)."
         ),
     )
     cpu_binding: Literal["nobind", "exclusive", "vllm"] = Field(
@@ -181,7 +181,7 @@ class TransferConfig(_Strict):
     placement: Literal["priced", "static"] = Field(
         "priced",
         description=(
-            "bidir: how a turn's place is chosen (`app.placement`). 'priced' weighs the turn's first "
+            "bidir: how a turn's place is chosen (`app.turn.placement`). 'priced' weighs the turn's first "
             "token via decode and via prefill and what computing it on decode costs the answers "
             "streaming there; 'static' is the older rule, from the turn's own first token only."
         ),
@@ -363,7 +363,7 @@ class IngressConfig(_Strict):
 
 
 class TenantPolicy(_Strict):
-    """What one tenant (an API key) may hold and send (`app.quotas`, `connector.shares`)."""
+    """What one tenant (an API key) may hold and send (`app.api.quotas`, `connector.shares`)."""
 
     weight: float = Field(
         1.0,
@@ -392,7 +392,7 @@ class TenantPolicy(_Strict):
 
 
 class AccessConfig(_Strict):
-    """Who may call the API, what tenants share, and what it shows (`app.auth`)."""
+    """Who may call the API, what tenants share, and what it shows (`app.api.auth`)."""
 
     api_keys: tuple[str, ...] = Field(
         (),
@@ -444,7 +444,7 @@ class AccessConfig(_Strict):
 
 
 class OpenAIConfig(_Strict):
-    """The OpenAI surface: output parsers (vLLM's own) and request limits (`app.openai_api`)."""
+    """The OpenAI surface: output parsers (vLLM's own) and request limits (`app.api.openai_api`)."""
 
     tool_call_parser: str | None = Field(
         "auto",

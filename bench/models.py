@@ -52,7 +52,7 @@ SHAPES: dict[str, Shape] = {
 
 def ensure_tokenizer_source() -> Path:
     """The tiny model's directory, built if absent (its tokenizer is the one we reuse)."""
-    from app import default_model
+    from app.engines import default_model
 
     return default_model.build(OPEN_MODEL, answers="open")
 

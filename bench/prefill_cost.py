@@ -133,7 +133,7 @@ def _decode_forever(args: argparse.Namespace) -> None:
 
 def _env(args: argparse.Namespace) -> dict:
     from app.config import EngineRoleConfig, TransferConfig
-    from app.engine_setup import plugin_env
+    from app.engines.setup import plugin_env
 
     env = {
         **os.environ,
@@ -141,7 +141,7 @@ def _env(args: argparse.Namespace) -> dict:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "UCX_NET_DEVICES": "lo",
     }
-    # The app's engine settings (`app.engine_setup.plugin_env`), as every CPU engine of the app
+    # The app's engine settings (`app.engines.setup.plugin_env`), as every CPU engine of the app
     # gets them; --raw-nixl leaves vLLM and NIXL as they are.
     settings = plugin_env(TransferConfig(), EngineRoleConfig(), transfer=True, cpu=True)
     for key, value in settings.items():

@@ -62,7 +62,7 @@ class Profile:
     """The decode engine's (and the single engine's) KV, when it differs from `kv_cache_bytes`."""
     num_cpus: float | None = None
     """Ray CPUs per engine replica; the app sizes each engine's threads from it
-    (`app.sizing`). None: half the benchmark cluster's CPUs, so that prefill and decode
+    (`app.engines.sizing`). None: half the benchmark cluster's CPUs, so that prefill and decode
     each have their own cores and the single engine gets as many as each of them."""
     cpu_threads: int | None = None
     """Explicit OpenMP threads per engine (`--threads`); None: the app's own sizing."""
@@ -172,7 +172,7 @@ def engine_cpus() -> float:
 
 def cpu_env() -> dict[str, str]:
     """Engine environment on CPU: NIXL over loopback. Threads and binding come from the
-    app's own sizing (`app.sizing`), as in any deployment."""
+    app's own sizing (`app.engines.sizing`), as in any deployment."""
     return {"UCX_NET_DEVICES": "lo"}
 
 

@@ -92,8 +92,8 @@ def turn_stats(records: list) -> dict[str, Any]:
 
 
 def _hops(records: list) -> dict[str, float | None]:
-    """Mean seconds of each hop of the time to first token (`app.metrics.turn_hops`)."""
-    from app.metrics import turn_hops
+    """Mean seconds of each hop of the time to first token (`app.api.metrics.turn_hops`)."""
+    from app.api.metrics import turn_hops
 
     per_hop: dict[str, list[float]] = {}
     for r in records:

@@ -81,7 +81,7 @@ def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
     """Counters summed over the deployment's replicas that answer (None: no deployment)."""
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     try:
         handle = serve.get_deployment_handle(deployment, app)

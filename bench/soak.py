@@ -279,7 +279,7 @@ def decode_blocks(app: str) -> dict:
     usage fraction if the replica has no `kv_blocks`."""
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     handle = serve.get_deployment_handle("DecodeServer", app)
     out = {}

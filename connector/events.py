@@ -14,7 +14,7 @@ All are `StrEnum`s: a member compares and hashes equal to its string, formats as
 JSON shows the string, so callers may keep reading counters by plain string;
 `HandleStore.stats()` and `Claim.miss_reason` carry the plain strings. Pure Python, no
 imports from the project: `connector.store`, `connector.match` and
-`connector.response_store` emit them, the ingress (`app.turns`) may use them to read
+`connector.response_store` emit them, the ingress (`app.turn.turns`) may use them to read
 what the store emitted.
 """
 

@@ -3,7 +3,7 @@ hands out, what leaves the store unread, and the hashing and prefix helpers on t
 
 Callers: `connector.store` (the store's lifecycle), `connector.match` (the sessionless
 index), `connector.pins` (the pin ledger), `connector.actor` (ships these types between
-the ingress and the store's shards) and the ingress (`app.turns`, `restrict`). Pure
+the ingress and the store's shards) and the ingress (`app.turn.turns`, `restrict`). Pure
 Python, no Ray, no state: nothing here changes once built but the caches of
 `Conversation`'s two id forms.
 

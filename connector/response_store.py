@@ -87,7 +87,7 @@ class StoredResponse:
 
 def route_of(key: str) -> str:
     """The key a response is placed by: its chain's, shared by every response that
-    continues it (`app.responses_api.new_id`: `resp_` + 16 hex of chain + 16 of its own)."""
+    continues it (`app.api.responses_api.new_id`: `resp_` + 16 hex of chain + 16 of its own)."""
     namespace, _, rid = key.rpartition("resp_")
     return namespace + "resp_" + rid[:16] if len(rid) == 32 else key
 

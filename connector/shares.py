@@ -2,7 +2,7 @@
 engine's pinned budget, and a bound on each tenant's kept conversations.
 
 A session id that starts with a tenant namespace (`k<12 hex>:` for an API key, `internal:`
-for trusted handle callers, written by `app.auth`) belongs to that tenant; other ids to
+for trusted handle callers, written by `app.api.auth`) belongs to that tenant; other ids to
 the one tenant of a deployment without keys (""). The store calls this module on every
 change of what a tenant keeps; all methods are O(1) but `victim`, which is O(tenants on
 the engine).

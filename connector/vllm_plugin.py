@@ -44,7 +44,7 @@ runs the model (the OpenMP team's first thread, the only one at one thread per e
 every engine of the node picks the same core: prefill and decode computed on one core of two
 while the other served Ray and the ingress (measured on 2 cores: each worker at 50% of a core
 whenever both computed; bidir's TTFT 1.31x single's at turn 6 of the cpu profile). The
-connector now leaves the thread's cores as the app's sizing set them (`app.sizing`): all of
+connector now leaves the thread's cores as the app's sizing set them (`app.engines.sizing`): all of
 the node's with `nobind`, the engine's own with `exclusive`.
 
 5. The engine's lifetime (`KVTURN_OWNER_PID`). vLLM runs the engine core in a child

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from app import messages_api, openai_api, responses_api, sessions
+from app.api import messages_api, openai_api, responses_api, sessions
 from app.errors import APIError, RateLimited
 
 WEATHER = {
@@ -450,9 +450,9 @@ def test_structural_tags_become_grammars_without_free_whitespace():
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
 
+    from app.api.protocol import ChatCompletionRequest
+    from app.api.tokenizer import HFTokenizer
     from app.config import AppConfig
-    from app.protocol import ChatCompletionRequest
-    from app.tokenizer import HFTokenizer
     from tests.conftest import MODEL
 
     cfg = AppConfig.model_validate({"model": str(MODEL)})
@@ -526,11 +526,11 @@ def test_a_stored_response_reads_without_this_package():
     import pickle
     import pickletools
 
-    from app.auth import Tenant
+    from app.api.auth import Tenant
+    from app.api.shaping import reuse
     from app.config import TenantPolicy
-    from app.events import MissReason
-    from app.responses import reuse
-    from app.turn_model import TurnResult
+    from app.turn.events import MissReason
+    from app.turn.model import TurnResult
 
     request = responses_api.parse({"input": "hi", "instructions": "Be brief.", "tools": TOOLS})
     messages = responses_api.chat_messages(request, None)

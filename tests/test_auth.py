@@ -1,13 +1,13 @@
-"""API keys (`app.auth`) and tenant namespaces of sessions through the real turn
-orchestration (`app.turns` with the fake engines and the real handle store)."""
+"""API keys (`app.api.auth`) and tenant namespaces of sessions through the real turn
+orchestration (`app.turn.turns` with the fake engines and the real handle store)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.auth import TRUSTED_NAMESPACE, ApiKeys, namespace_of, scoped
+from app.api.auth import TRUSTED_NAMESPACE, ApiKeys, namespace_of, scoped
+from app.api.protocol import APIError
 from app.config import AppConfig
-from app.protocol import APIError
 from tests.test_turns import P1, USER2, Rig, enc, model_dir  # noqa: F401  (fixture)
 
 

@@ -1,4 +1,4 @@
-"""`app.autoscaling`: the roles' policies on Serve's policy API, and the build options."""
+"""`app.fleet.autoscaling`: the roles' policies on Serve's policy API, and the build options."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from app.autoscaling import KV_IN_USE, QUEUED_TOKENS, PoolTotalPolicy
 from app.config import AppConfig
+from app.fleet.autoscaling import KV_IN_USE, QUEUED_TOKENS, PoolTotalPolicy
 
 
 def ctx(metric: str | None, values: list[float], current: int = 2):
@@ -74,7 +74,7 @@ def test_an_autoscaled_role_gets_serves_config_with_the_apps_policy(tmp_path):
     graph = build(AppConfig.model_validate(tree))
     decode = _options(graph, "DecodeServer")._deployment_config.autoscaling_config
     assert (decode.min_replicas, decode.initial_replicas, decode.max_replicas) == (1, 2, 3)
-    assert decode.policy.policy_function == "app.autoscaling:PoolTotalPolicy"
+    assert decode.policy.policy_function == "app.fleet.autoscaling:PoolTotalPolicy"
     assert decode.policy.policy_kwargs == {"metric": "kv_in_use", "target": 0.6}
     prefill = _options(graph, "PrefillServer")._deployment_config.autoscaling_config
     assert prefill.policy.policy_kwargs == {"metric": "queued_tokens", "target": 4096}

@@ -381,7 +381,7 @@ def plain(messages: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("tool_calls", [True, False])
 async def test_the_server_reads_a_messages_turn_as_chat_mode_sends_it(tool_calls):
     pytest.importorskip("vllm")
-    from app import messages_api
+    from app.api import messages_api
 
     _, requests = await session(Api.MESSAGES, tool_calls=tool_calls)
     data = requests[2][1]
@@ -394,7 +394,7 @@ async def test_the_server_reads_a_messages_turn_as_chat_mode_sends_it(tool_calls
 async def test_the_server_reads_a_responses_chain_as_chat_mode_sends_it_plus_the_answer():
     """With tool calls the stored answer stays before the call (chat mode replaces it)."""
     pytest.importorskip("vllm")
-    from app import responses_api
+    from app.api import responses_api
 
     _, requests = await session(Api.RESPONSES, tool_calls=True)
     history: list[dict] = []

@@ -450,7 +450,7 @@ def test_serve_yaml_sets_replica_counts_outside_args(app_entry):
     """`serve deploy` versions every deployment by a hash of the `args`: counts there
     would make a scale a restart of the fleet. They are `deployments:` overrides, named
     as the app names its deployments."""
-    from app.servers import DecodeServer, PrefillServer
+    from app.engines.servers import DecodeServer, PrefillServer
 
     overrides = {d["name"]: d for d in app_entry["deployments"]}
     assert set(overrides) == {PrefillServer.name, DecodeServer.name} == set(ROLE_DEPLOYMENT.values())

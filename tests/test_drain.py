@@ -1,4 +1,4 @@
-"""`app.drain.Drain`: a stopping decode replica's moves, over the real `HandleStore` and a
+"""`app.fleet.drain.Drain`: a stopping decode replica's moves, over the real `HandleStore` and a
 fake peer (the NIXL read itself is proven end to end in tests/e2e/test_scaling.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from app.drain import Drain, Rebalance, rebalance_pairs
-from app.wire import EngineChunk, EngineRequest
+from app.engines.wire import EngineChunk, EngineRequest
+from app.fleet.drain import Drain, Rebalance, rebalance_pairs
 from connector.handle import KVHandle, Location
 from connector.store import Claim, Conversation, HandleStore
 from tests.test_turns import make_cfg, model_dir  # noqa: F401  # fixture

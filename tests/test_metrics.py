@@ -1,4 +1,4 @@
-"""`app.metrics`: what each recording helper exports, with the Ray metric objects
+"""`app.api.metrics`: what each recording helper exports, with the Ray metric objects
 replaced by recorders (creating and recording real ones without Ray is a no-op)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import metrics
-from app.events import Continuation
+from app.api import metrics
+from app.turn.events import Continuation
 
 
 class Recorder:

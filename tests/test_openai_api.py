@@ -1,4 +1,4 @@
-"""`app.openai_api`: request bodies within limits, errors as OpenAI bodies, vLLM's tool and
+"""`app.api.openai_api`: request bodies within limits, errors as OpenAI bodies, vLLM's tool and
 reasoning parsers over the embedded model's output, logprobs in OpenAI's shapes."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from app import errors, openai_api
+from app import errors
+from app.api import openai_api
+from app.api.protocol import APIError, ChatCompletionRequest
 from app.config import AppConfig
-from app.protocol import APIError, ChatCompletionRequest
-from app.wire import TokenLogprob
+from app.engines.wire import TokenLogprob
 from tests.conftest import MODEL
 
 TOOLS = [
@@ -319,8 +320,8 @@ def test_engine_request_with_client_params_pickles_and_decode_gets_them():
 
     from vllm.sampling_params import RequestOutputKind
 
-    from app.engine import sampling_params
-    from app.wire import EngineRequest, Sampling
+    from app.engines.engine import sampling_params
+    from app.engines.wire import EngineRequest, Sampling
 
     body = ChatCompletionRequest.model_validate(
         {

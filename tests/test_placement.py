@@ -1,6 +1,6 @@
-"""The placement policy (`app.placement`) on constructed loads, the decode engines' chunked
-prefill that it prices (`app.engine_setup.decode_chunking`), and the stream counts that
-feed it (`app.pacing.DecodeStreams`). No clock is read by the decisions: loads are numbers."""
+"""The placement policy (`app.turn.placement`) on constructed loads, the decode engines' chunked
+prefill that it prices (`app.engines.setup.decode_chunking`), and the stream counts that
+feed it (`app.turn.pacing.DecodeStreams`). No clock is read by the decisions: loads are numbers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pickle
 import pytest
 
 from app.config import AppConfig
-from app.events import TurnCount
-from app.pacing import DecodeStreams
-from app.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
+from app.turn.events import TurnCount
+from app.turn.pacing import DecodeStreams
+from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from connector.handle import KVHandle, Location, local_decode_params
 
 MS = 0.001
@@ -148,7 +148,7 @@ def config(**transfer) -> AppConfig:
 
 
 def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_do_not():
-    from app.engine_setup import decode_chunking, decode_prompt_chunk
+    from app.engines.setup import decode_chunking, decode_prompt_chunk
 
     cfg = config(decode_chunk_tokens=192)
     assert decode_chunking(cfg, cfg.decode) == {
@@ -163,7 +163,7 @@ def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_do_not():
 
 
 def test_chunking_follows_the_roles_own_engine_args_and_can_be_off():
-    from app.engine_setup import decode_chunking, decode_prompt_chunk
+    from app.engines.setup import decode_chunking, decode_prompt_chunk
 
     seqs = AppConfig.from_args({"model": "m", "decode": {"engine_kwargs": {"max_num_seqs": 64}}})
     assert decode_chunking(seqs, seqs.decode)["max_num_batched_tokens"] == 256 + 64
@@ -234,7 +234,7 @@ def model_dir(tmp_path):
 
 @pytest.mark.parametrize("policy", ["priced", "static"])
 async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unless_static(model_dir, policy):
-    from app.pacing import LegPace
+    from app.turn.pacing import LegPace
     from tests.test_turns import P1, USER2, Rig
 
     rig = Rig(model_dir, **{"transfer.decode_local_tokens": 64, "transfer.placement": policy})
@@ -259,7 +259,7 @@ async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unle
 
 
 def test_placement_choices_are_exported_by_route_and_reason():
-    from app import metrics
+    from app.api import metrics
     from tests.test_metrics import recording
 
     m = recording(metrics.TurnMetrics("bidir"))

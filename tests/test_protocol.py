@@ -1,4 +1,4 @@
-"""`app.protocol`: OpenAI request bodies (vLLM's own models) as the API accepts or
+"""`app.api.protocol`: OpenAI request bodies (vLLM's own models) as the API accepts or
 refuses them, and the messages the chat template gets."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from vllm.exceptions import VLLMValidationError
 
-from app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [

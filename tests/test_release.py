@@ -1,5 +1,5 @@
 """Early release of decode-pinned KV (`connector.release`) and the ingress side that drives
-it (`app.memory.DecodeMemory`). No engines: the worker-side expiry is checked against
+it (`app.fleet.memory.DecodeMemory`). No engines: the worker-side expiry is checked against
 vLLM's own reaping code, the rest with fakes of the store and the decode replicas."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.config import AppConfig
-from app.memory import DecodeMemory
+from app.fleet.memory import DecodeMemory
 from connector import release
 from connector.handle import KVHandle, Location
 from connector.patching import Unsupported
@@ -452,7 +452,7 @@ def test_store_end_session_and_pin_remaining():
 async def test_the_ticker_outlives_a_failing_tick_and_a_hung_replica(monkeypatch):
     """Nothing but the ticker frees expired pins early and syncs budgets while no turn
     comes: a tick that raises, or a replica call that never answers, must not end it."""
-    from app import memory as memory_module
+    from app.fleet import memory as memory_module
 
     monkeypatch.setattr(memory_module, "CAPACITY_SYNC_S", 0.05)
     monkeypatch.setattr(memory_module, "REPLICA_CALL_TIMEOUT_S", 0.05)

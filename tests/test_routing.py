@@ -1,4 +1,4 @@
-"""The session-affinity request router's choice of replicas (`app.routing`), on stand-ins
+"""The session-affinity request router's choice of replicas (`app.fleet.routing`), on stand-ins
 of Serve's running replicas: no Ray cluster."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from app.routing import SessionAffinityRouter
-from app.wire import EngineRequest, Sampling
+from app.engines.wire import EngineRequest, Sampling
+from app.fleet.routing import SessionAffinityRouter
 
 
 def replicas(*ids: str) -> list:
@@ -48,13 +48,13 @@ def test_liveness_reaches_the_ingress_through_the_router_serve_ships(tmp_path):
 
     from ray.serve.config import RequestRouterConfig
 
-    shipped = RequestRouterConfig(request_router_class="app.routing.SessionAffinityRouter")
+    shipped = RequestRouterConfig(request_router_class="app.fleet.routing.SessionAffinityRouter")
     (tmp_path / "router.pkl").write_bytes(shipped.get_serialized_request_router_cls())
     script = """
 import sys
 from types import SimpleNamespace
 from ray import cloudpickle
-from app.routing import LiveReplicas, SessionAffinityRouter
+from app.fleet.routing import LiveReplicas, SessionAffinityRouter
 shipped = cloudpickle.loads(open(sys.argv[1], "rb").read())
 assert shipped is not SessionAffinityRouter, "not a by-value copy"
 base = shipped.__mro__[1]

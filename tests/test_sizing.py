@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from app.config import AppConfig
-from app.registry import NodeRegistry
-from app.sizing import CpuPlan, plan, share_threads
+from app.engines.registry import NodeRegistry
+from app.engines.sizing import CpuPlan, plan, share_threads
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_the_nixl_worker_keeps_the_cores_of_the_thread_that_creates_it():
 
 
 def test_cpu_engines_resolve_auto_dtype_to_float32_and_keep_explicit_ones():
-    from app.engine_setup import engine_dtype
+    from app.engines.setup import engine_dtype
 
     # vLLM's `auto` would run the embedded float32 model in bfloat16 on CPU.
     assert engine_dtype("auto", on_cpu=True) == "float32"

@@ -1,6 +1,6 @@
-"""Tenants (no engines): cache salts per key (`app.auth`), fair shares of pinned KV and
+"""Tenants (no engines): cache salts per key (`app.api.auth`), fair shares of pinned KV and
 per-tenant session limits in the real store (`connector.shares`, `connector.store`), and
-quotas at the ingress (`app.quotas`) on a fake clock."""
+quotas at the ingress (`app.api.quotas`) on a fake clock."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from app.auth import TRUSTED_NAMESPACE, ApiKeys, namespace_of, salt_of
+from app.api.auth import TRUSTED_NAMESPACE, ApiKeys, namespace_of, salt_of
+from app.api.protocol import APIError
+from app.api.quotas import Quotas
 from app.config import AppConfig, TenantPolicy
-from app.protocol import APIError
-from app.quotas import Quotas
 from connector.actor import StoreSettings
 from connector.handle import KVHandle, Location
 from connector.shares import TenantShares, tenant_of

@@ -1,4 +1,4 @@
-"""`app.turns.Turns`: the real turn orchestration, with fake engines and the real handle
+"""`app.turn.turns.Turns`: the real turn orchestration, with fake engines and the real handle
 store logic behind an in-process adapter. No Ray, no vLLM.
 
 The fake engines follow the NixlConnector's contract:
@@ -22,14 +22,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
+from app.api.protocol import APIError
 from app.config import AppConfig
-from app.events import Continuation
-from app.legs import DECODE_ATTEMPTS, continuation_of
-from app.pacing import LegPace
-from app.protocol import APIError
-from app.turn_model import Delta, TurnInput, TurnResult
-from app.turns import Turns
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
+from app.turn.events import Continuation
+from app.turn.legs import DECODE_ATTEMPTS, continuation_of
+from app.turn.model import Delta, TurnInput, TurnResult
+from app.turn.pacing import LegPace
+from app.turn.turns import Turns
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import Claim, Conversation, HandleStore, TurnOutcome
 from tests.conftest import config_with

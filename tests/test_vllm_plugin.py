@@ -501,12 +501,12 @@ def test_owner_gone_sees_a_dead_owner_or_a_new_parent():
 
 
 def test_plugin_env_per_engine_kind():
-    """What an engine's processes are started with (`app.engine_setup.plugin_env`): the step-queue
+    """What an engine's processes are started with (`app.engines.setup.plugin_env`): the step-queue
     spin only on CPU engines, the transfer settings only on engines with the connector."""
     import os
 
     from app.config import EngineRoleConfig, TransferConfig
-    from app.engine_setup import apply_env, plugin_env
+    from app.engines.setup import apply_env, plugin_env
     from connector import release
 
     role = EngineRoleConfig()
@@ -540,7 +540,7 @@ def test_plugin_env_per_engine_kind():
 def test_the_installed_vllm_has_the_private_api_the_engine_adapter_reads(monkeypatch):
     from vllm.v1.metrics import stats
 
-    from app.engine import check_vllm_api
+    from app.engines.engine import check_vllm_api
     from connector.patching import Unsupported
 
     check_vllm_api()  # raises Unsupported naming what is missing

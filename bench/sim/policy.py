@@ -2,59 +2,26 @@
 prefill), the pacing it rests on, and the handle store with its pinned-KV budget.
 
 Nothing here re-implements them. `PlacementState.place` is the one seam for the
-placement policy: it calls `app.placement.place` (or `place_static`, as
-`transfer.placement` says) with the loads the simulation measured, or
-`app.pacing.decode_local_reason` in an app without `app.placement`. `PlacementState`
+placement policy: it calls `app.turn.placement.place` (or `place_static`, as
+`transfer.placement` says) with the loads the simulation measured. `PlacementState`
 holds the app's `LegPace` objects (one for the prefill pool, one per decode replica) and
-updates them as `app.legs` and `app.pacing.LocalLeg` do, with the simulation's clock in
+updates them as `app.turn.legs` and `app.turn.pacing.LocalLeg` do, with the simulation's clock in
 place of `time.monotonic`. `make_store` builds `connector.store.HandleStore` with the app's
 session defaults and the simulation's clock.
 
-The app's modules are loaded by file (`load_app_module`): `app/__init__.py` builds the
-Serve graph and imports Ray and vLLM (seconds), while `app.config` and `app.pacing` need
-only pydantic (`app.wire` and `app.placement` only the standard library). A later
-ordinary `import app` still works and reuses these modules.
+The app's modules are imported as they are: `app.config` and `app.turn` import neither
+Ray nor vLLM (`import app` builds nothing until `app.graph` is asked for).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from app import config
+from app.turn import pacing, placement
 from connector.handle import KVHandle, Location
 from connector.store import Conversation, HandleStore
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_app_module(name: str) -> ModuleType:
-    """`app.<name>` without running `app/__init__.py` (unless the app is imported already)."""
-    full = f"app.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    spec = importlib.util.spec_from_file_location(full, ROOT / "app" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[full] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[full]
-        raise
-    return module
-
-
-config = load_app_module("config")
-if (ROOT / "app" / "wire.py").exists():
-    load_app_module("wire")  # app.pacing reads the engine wire types
-pacing = load_app_module("pacing")
-placement: ModuleType | None = (
-    load_app_module("placement") if (ROOT / "app" / "placement.py").exists() else None
-)
 
 
 def transfer_config(**changes: Any) -> Any:
@@ -64,7 +31,7 @@ def transfer_config(**changes: Any) -> Any:
 
 
 class _Ewma:
-    """The app's moving average (`app.pacing.Ewma`, weight 0.2)."""
+    """The app's moving average (`app.turn.pacing.Ewma`, weight 0.2)."""
 
     def __init__(self) -> None:
         self.value: float | None = None
@@ -74,7 +41,7 @@ class _Ewma:
 
 
 class PlacementState:
-    """What the ingress measures for placement (`app.turns.Turns` keeps the same, one
+    """What the ingress measures for placement (`app.turn.turns.Turns` keeps the same, one
     ingress replica): the prefill pool's pace, each decode replica's own pace, its streams
     and their step time, and the hand-off of P/D turns."""
 
@@ -100,8 +67,6 @@ class PlacementState:
     def place(self, new_tokens: int, replica: str | None) -> str | None:
         """Why the turn skips prefill, or None: the app's decision (the one seam)."""
         t, local = self.transfer, self.local_pace(replica)
-        if placement is None:  # the app before `app.placement`
-            return pacing.decode_local_reason(t, new_tokens, self.prefill, local)
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
@@ -121,7 +86,7 @@ class PlacementState:
         return str(decided.reason) if decided.local else None
 
     def prefill_leg(self, new_tokens: int) -> Callable[[int], None]:
-        """A prefill leg starts (`app.legs.Legs._paced_prefill`); call what it returns
+        """A prefill leg starts (`app.turn.legs.Legs._paced_prefill`); call what it returns
         with the tokens computed when the leg ends."""
         pace, started = self.prefill, self._clock()
         ahead = pace.tokens_in_flight
@@ -134,7 +99,7 @@ class PlacementState:
         return end
 
     def local_leg(self, replica: str, new_tokens: int) -> Callable[[], Callable[[int], None]]:
-        """A turn its decode replica computes alone (`app.pacing.LocalLeg`): call what it
+        """A turn its decode replica computes alone (`app.turn.pacing.LocalLeg`): call what it
         returns at the first token, then what that returns with the tokens computed."""
         pace, started = self.local_pace(replica), self._clock()
         tokens, ahead = max(0, new_tokens), pace.tokens_in_flight
@@ -151,7 +116,7 @@ class PlacementState:
 def make_store(
     clock: Callable[[], float], block_size: int, pinned_fraction: float | None = None
 ) -> HandleStore:
-    """The handle store as the app builds it from its default config (`app.clients.store_settings`)."""
+    """The handle store as the app builds it from its default config (`app.fleet.clients.store_settings`)."""
     s = config.SessionConfig()
     t = transfer_config()
     return HandleStore(

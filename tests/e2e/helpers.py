@@ -108,7 +108,7 @@ def reference_tokens(url: str, prompt_ids: list[int], n: int) -> list[int]:
 def engine_stats(deployment: str, replica: str | None = None, app: str = "pd") -> dict:
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     handle = serve.get_deployment_handle(deployment, app)
     stats = handle.stats.remote(ReplicaQuery(replica)).result()

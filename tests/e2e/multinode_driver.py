@@ -14,7 +14,7 @@ import ray
 from ray import serve
 
 from app.builder import build
-from app.wire import ReplicaQuery
+from app.engines.wire import ReplicaQuery
 from tests.conftest import pd_config
 
 SYSTEM = "You are a helpful assistant. Use the tools when they help, and answer briefly. " * 2

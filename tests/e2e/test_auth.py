@@ -15,7 +15,7 @@ KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 
 @pytest.fixture(scope="module")
 def keyed(apps):
-    from app.ingress import Ingress
+    from app.api.ingress import Ingress
 
     cfg = pd_config(
         app_name="pd-keys", **{"access.api_keys": [KEY_A, KEY_B], "access.expose_kv_stats": False}

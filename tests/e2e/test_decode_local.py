@@ -49,7 +49,7 @@ def _stats():
 def _blocks() -> dict:
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     return serve.get_deployment_handle("DecodeServer", APP).kv_blocks.remote(ReplicaQuery()).result()
 
@@ -124,7 +124,7 @@ def test_pin_of_a_decode_local_request_expires_on_an_idle_engine(apps, loc):
     turn's pull, and the idle engine frees them at its TTL by itself."""
     from ray import serve
 
-    from app.wire import EngineRequest, Sampling
+    from app.engines.wire import EngineRequest, Sampling
     from connector.handle import KVHandle, local_decode_params
 
     decode = serve.get_deployment_handle("DecodeServer", APP).options(stream=True)

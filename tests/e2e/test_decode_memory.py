@@ -101,7 +101,7 @@ def mem(ray_cluster):
 def decode_blocks() -> dict:
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     return serve.get_deployment_handle("DecodeServer", "mem").kv_blocks.remote(ReplicaQuery()).result()
 
@@ -109,7 +109,7 @@ def decode_blocks() -> dict:
 def decode_stats() -> dict:
     from ray import serve
 
-    from app.wire import ReplicaQuery
+    from app.engines.wire import ReplicaQuery
 
     return serve.get_deployment_handle("DecodeServer", "mem").stats.remote(ReplicaQuery()).result()
 

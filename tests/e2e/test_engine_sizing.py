@@ -15,8 +15,8 @@ import os
 
 from ray import serve
 
-from app.sizing import share_threads
-from app.wire import ReplicaQuery
+from app.engines.sizing import share_threads
+from app.engines.wire import ReplicaQuery
 
 
 def _engines(app: str, deployment: str, replicas: int):

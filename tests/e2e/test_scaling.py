@@ -3,7 +3,7 @@ conversation, end to end: the app is redeployed with one decode replica fewer wh
 stream is in flight on each. Every replica that stays (the other roles', the surviving
 decode replica) keeps running with its engine and the KV it holds; the stream on the
 removed replica completes; the removed replica hands its conversations to the survivor
-over NIXL (`app.drain`), so every session, wherever it was, reuses its whole history on
+over NIXL (`app.fleet.drain`), so every session, wherever it was, reuses its whole history on
 its next turn, with the tokens a plain engine computes."""
 
 from __future__ import annotations

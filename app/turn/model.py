@@ -2,7 +2,7 @@
 
 `TurnInput` (built by the ingress from a request), the events `Turns.run` yields (`Delta`,
 then one `TurnResult`), and the protocols of what the pipeline calls: `Tokenizer`,
-`EngineClients` (the engine replicas; `app.clients.ServeEngineClients` in production) and
+`EngineClients` (the engine replicas; `app.fleet.clients.ServeEngineClients` in production) and
 `Store` (the handle store; `connector.actor.StoreClient`). Unit tests run the real
 pipeline against fakes of these. No vLLM, no Ray.
 """
@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.memory import DecodeMemoryClients, MemoryStore
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
+from app.fleet.memory import DecodeMemoryClients, MemoryStore
 from connector.store import Claim, Conversation, TurnOutcome
 
 
@@ -28,7 +28,7 @@ class Tokenizer(Protocol):
 
 class EngineClients(DecodeMemoryClients, Protocol):
     """How the orchestration reaches engine replicas (Serve handles in production), the
-    decode-memory calls of `app.memory` included."""
+    decode-memory calls of `app.fleet.memory` included."""
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]: ...
 
@@ -43,7 +43,7 @@ class EngineClients(DecodeMemoryClients, Protocol):
 
 class Store(MemoryStore, Protocol):
     """The handle store (`connector.actor.StoreClient` in production), with the
-    decode-memory hooks of `app.memory`."""
+    decode-memory hooks of `app.fleet.memory`."""
 
     async def match(
         self, prompt_ids: Sequence[int], prompt_text: str | None = None
@@ -72,10 +72,10 @@ class TurnInput:
     prompt_ids: tuple[int, ...] | None = None
     max_tokens_given: bool = True
     namespace: str = ""
-    """Tenant prefix of session ids (`app.auth`): `session_id` already carries it; new
+    """Tenant prefix of session ids (`app.api.auth`): `session_id` already carries it; new
     sessions get it and sessionless matches stay inside it. Results show ids without it."""
     cache_salt: str | None = None
-    """The tenant's prefix-cache salt (`app.auth.Tenant.salt_for`), on every engine request
+    """The tenant's prefix-cache salt (`app.api.auth.Tenant.salt_for`), on every engine request
     of the turn: cached prefixes only ever hit within one tenant."""
     stream: bool = True
     """The client sees the answer as it is generated. A turn that does not stream gets

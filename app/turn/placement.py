@@ -4,7 +4,7 @@ compute, hand the KV to decode).
 
 `Turns._decode_local` calls `place` (or `place_static`, the older rule) once per turn
 that could run on its decode replica, with the loads this ingress measured
-(`app.pacing`): plain numbers, so a simulator can drive it with simulated time. Pure
+(`app.turn.pacing`): plain numbers, so a simulator can drive it with simulated time. Pure
 logic: no clock, no I/O, no Ray or vLLM.
 
 The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 
 class Reason(enum.StrEnum):
-    """Why a turn went where it went (counted as `placed_<reason>`, `app.events.TurnCount`)."""
+    """Why a turn went where it went (counted as `placed_<reason>`, `app.turn.events.TurnCount`)."""
 
     SHORT = "short"
     """Decode: few tokens to compute; a P/D leg would cost more than it saves."""

@@ -3,7 +3,7 @@ its session id there, chat and Responses alike) and Claude Code's session id, in
 `metadata.user_id` (a JSON string). Such a key names the conversation the way an
 `x-session-id` header does (within the caller's tenant), so the turn claims its KV handle
 without a prompt search; unlike a header it is only trusted while the prompt extends the
-keyed conversation (`app.turn_model.TurnInput.session_keyed`).
+keyed conversation (`app.turn.model.TurnInput.session_keyed`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """How the ingress reaches the rest of the graph: the engine replicas through their Serve
-deployment handles (`ServeEngineClients`, the production `app.turns.EngineClients` and
-`app.memory.DecodeMemoryClients`), and the handle store's settings for a config."""
+deployment handles (`ServeEngineClients`, the production `app.turn.turns.EngineClients` and
+`app.fleet.memory.DecodeMemoryClients`), and the handle store's settings for a config."""
 
 from __future__ import annotations
 
 from ray.serve.handle import DeploymentHandle
 
-from app.auth import ApiKeys
+from app.api.auth import ApiKeys
 from app.config import AppConfig
-from app.routing import LiveReplicas
-from app.wire import EngineChunk, EngineRequest, ReplicaQuery
+from app.engines.wire import EngineChunk, EngineRequest, ReplicaQuery
+from app.fleet.routing import LiveReplicas
 from connector.actor import StoreSettings
 
 

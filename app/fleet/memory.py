@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.config import AppConfig
-from app.drain import Rebalance, last_of
-from app.events import TurnCount
-from app.wire import EngineChunk, EngineRequest
+from app.engines.wire import EngineChunk, EngineRequest
+from app.fleet.drain import Rebalance, last_of
+from app.turn.events import TurnCount
 from connector.store import Conversation
 
 logger = logging.getLogger("ray.serve")
@@ -159,7 +159,7 @@ class DecodeMemory:
         return told
 
     async def rebalance(self) -> int:
-        """One round of `app.drain.Rebalance` over the live decode engines this ingress
+        """One round of `app.fleet.drain.Rebalance` over the live decode engines this ingress
         knows (`drain.rebalance`). Returns the conversations moved; never raises."""
         d = self._cfg.drain
         replicas = getattr(self._clients, "decode_replicas", lambda: None)()
@@ -188,7 +188,7 @@ class DecodeMemory:
             return
         self._start_ticker()
         # Shared work in a context of its own: not a child of the request that started it,
-        # which Ray would cancel with that request (`app.ingress._outliving`).
+        # which Ray would cancel with that request (`app.api.ingress._outliving`).
         task = asyncio.get_running_loop().create_task(self.flush(), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

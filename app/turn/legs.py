@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import AppConfig
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.errors import APIError, DecodeFailed
-from app.events import Continuation, TurnCount
-from app.pacing import LegPace
-from app.turn_model import EngineClients, TurnInput
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.turn.events import Continuation, TurnCount
+from app.turn.model import EngineClients, TurnInput
+from app.turn.pacing import LegPace
 from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
 
 logger = logging.getLogger("ray.serve")

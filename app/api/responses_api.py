@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.auth import Tenant, scoped
+from app.api.auth import Tenant, scoped
+from app.api.messages_api import refuse_server_fields
+from app.api.protocol import ChatCompletionRequest
 from app.errors import APIError, client_error, error_body
-from app.messages_api import refuse_server_fields
-from app.protocol import ChatCompletionRequest
 from connector.response_store import StoredResponse
 
 UNSUPPORTED = {

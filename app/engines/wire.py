@@ -1,8 +1,8 @@
 """The engines' wire: what the ingress and the engine servers send each other.
 
 Plain dataclasses that cross Ray (pickled), and `Engine`, the seam between an engine
-server and its inference engine (`app.engine.VLLMEngine` in production, a faithful fake
-in unit tests). No vLLM import: the turn pipeline (`app.turns`) and the ingress build and
+server and its inference engine (`app.engines.engine.VLLMEngine` in production, a faithful fake
+in unit tests). No vLLM import: the turn pipeline (`app.turn.turns`) and the ingress build and
 read these without loading vLLM.
 """
 
@@ -56,7 +56,7 @@ class EngineRequest:
     """Replicas that failed this turn: the router sends it elsewhere while it can."""
     cache_salt: str | None = None
     """vLLM's prefix-cache salt: blocks cached under one salt are only hit by requests
-    with the same salt (one per tenant, `app.auth`)."""
+    with the same salt (one per tenant, `app.api.auth`)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class Engine(Protocol):
 
     @property
     def cpu_plan(self) -> Any:
-        """How the app sized the engine's CPU threads (`app.sizing.CpuPlan`); None on GPU."""
+        """How the app sized the engine's CPU threads (`app.engines.sizing.CpuPlan`); None on GPU."""
         ...
 
 

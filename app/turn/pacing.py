@@ -5,7 +5,7 @@ comes sooner.
 decode replica for the turns it computes alone (`LocalLeg`), and a `DecodeStreams`: per
 decode replica the answers streaming there and their pace per token, and the hand-off of
 P/D turns (decode's read of prefill's blocks to its first output). The pace gives a leg
-that pulls history a deadline that covers its compute; all of it feeds `app.placement`,
+that pulls history a deadline that covers its compute; all of it feeds `app.turn.placement`,
 which decides whether a turn skips prefill. Everything here is this ingress's view: with
 several ingress replicas each counts only the legs and streams it sent. No I/O beyond
 passing engine calls through.
@@ -17,11 +17,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
-from app.wire import EngineChunk, EngineRequest
+from app.engines.wire import EngineChunk, EngineRequest
 from connector.handle import KVHandle, Location, WireError
 
 if TYPE_CHECKING:
-    from app.turn_model import EngineClients
+    from app.turn.model import EngineClients
 
 
 class LegPace:

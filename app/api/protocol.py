@@ -129,7 +129,7 @@ class ChatCompletionRequest(_Checks, _VLLMChatRequest):
     """vLLM's chat request with our checks. `messages` stay dicts (vLLM's typed dicts)."""
 
     prompt_cache_key: str | None = None
-    """OpenAI's cache key: here it names the session (`app.sessions.agent_session`)."""
+    """OpenAI's cache key: here it names the session (`app.api.sessions.agent_session`)."""
 
     @property
     def answer_limit(self) -> int | None:

@@ -16,8 +16,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from app.api.protocol import FORBIDDEN_FIELDS, ChatCompletionRequest
 from app.errors import APIError, error_body
-from app.protocol import FORBIDDEN_FIELDS, ChatCompletionRequest
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -1,6 +1,6 @@
 """The ingress deployment: OpenAI-compatible HTTP API and Python handle methods.
 
-It renders chat prompts, runs each turn through `app.turns.Turns`, and turns events into
+It renders chat prompts, runs each turn through `app.turn.turns.Turns`, and turns events into
 OpenAI response bodies (streaming SSE or not). Errors become OpenAI-style bodies in one
 place (`_error_response`); clients never reach the engines' transfer machinery.
 """
@@ -26,20 +26,20 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import messages_api, metrics, openai_api, responses_api, sessions
-from app.auth import ApiKeys, Tenant, scoped
-from app.clients import ServeEngineClients, store_settings
+from app.api import messages_api, metrics, openai_api, responses_api, sessions
+from app.api.auth import ApiKeys, Tenant, scoped
+from app.api.protocol import ChatCompletionRequest, CompletionRequest
+from app.api.quotas import Quotas
+from app.api.shaping import ResponseShaper, sse
+from app.api.tokenizer import HFTokenizer
 from app.config import AppConfig
+from app.engines.wire import ReplicaQuery, Sampling
 from app.errors import APIError, NotFound, ServerError, as_api_error, client_error, error_body
-from app.events import TurnCount
-from app.protocol import ChatCompletionRequest, CompletionRequest
-from app.quotas import Quotas
-from app.responses import ResponseShaper, sse
-from app.routing import LiveReplicas
-from app.tokenizer import HFTokenizer
-from app.turn_model import Delta, TurnInput, TurnResult
-from app.turns import Turns
-from app.wire import ReplicaQuery, Sampling
+from app.fleet.clients import ServeEngineClients, store_settings
+from app.fleet.routing import LiveReplicas
+from app.turn.events import TurnCount
+from app.turn.model import Delta, TurnInput, TurnResult
+from app.turn.turns import Turns
 from connector.actor import StoreClient, StoreUnavailable
 from connector.response_store import StoredResponse
 
@@ -224,7 +224,7 @@ class Ingress:
 
     @api.post("/v1/messages")
     async def http_messages(self, request: Request):
-        """Anthropic's Messages API (`app.messages_api`); errors in Anthropic's shape."""
+        """Anthropic's Messages API (`app.api.messages_api`); errors in Anthropic's shape."""
         try:
             tenant = self._keys.tenant(messages_api.authorization(request.headers))
             session_id = self._session_header(request)
@@ -248,7 +248,7 @@ class Ingress:
 
     @api.post("/v1/responses")
     async def http_responses(self, request: Request):
-        """OpenAI's Responses API (`app.responses_api`), stateful by `previous_response_id`."""
+        """OpenAI's Responses API (`app.api.responses_api`), stateful by `previous_response_id`."""
         try:
             tenant = self._keys.tenant(request.headers.get("authorization"))
             session_id = self._session_header(request)
@@ -342,7 +342,7 @@ class Ingress:
 
     # -- handle methods -----------------------------------------------------------------
 
-    # Handle callers are trusted (`app.auth`); `api_key` makes them that key's tenant.
+    # Handle callers are trusted (`app.api.auth`); `api_key` makes them that key's tenant.
 
     @_handle_errors
     async def chat(self, body: dict, session_id: str | None = None, api_key: str | None = None) -> dict:
@@ -551,7 +551,7 @@ class Ingress:
         return text, ids, None
 
     def _record_turn(self, result: TurnResult, body, tenant: Tenant) -> None:
-        """Metrics of a finished turn (`app.metrics`); starts the metrics poll. Never
+        """Metrics of a finished turn (`app.api.metrics`); starts the metrics poll. Never
         raises: metrics must not fail an answer."""
         try:
             index = (
@@ -601,7 +601,7 @@ class Ingress:
                 yield chunk
 
     def _admitted(self, prepared: _Prepared):
-        """The tenant's quotas for this turn (`app.quotas`): a 429 before anything runs."""
+        """The tenant's quotas for this turn (`app.api.quotas`): a 429 before anything runs."""
         return self._quotas.admit(prepared.tenant, len(prepared.turn.prompt_ids or ()))
 
     # -- agents' APIs over the chat pipeline ----------------------------------------------

@@ -1,7 +1,7 @@
-"""The vLLM adapter: `VLLMEngine` implements `app.wire.Engine` with vLLM's `AsyncLLM` and
+"""The vLLM adapter: `VLLMEngine` implements `app.engines.wire.Engine` with vLLM's `AsyncLLM` and
 the NixlConnector, and the engine set-up it needs (side-channel ports, engine arguments,
-the plugin's environment). With `app.protocol` (vLLM's request models) and
-`app.openai_api` (its output parsers), the only modules that import vLLM.
+the plugin's environment). With `app.api.protocol` (vLLM's request models) and
+`app.api.openai_api` (its output parsers), the only modules that import vLLM.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from app.config import AppConfig, EngineRoleConfig
-from app.engine_setup import (
+from app.engines.setup import (
     apply_env,
     engine_args,
     plugin_env,
     reserve_port_block,
 )
-from app.sizing import CpuPlan
-from app.wire import (
+from app.engines.sizing import CpuPlan
+from app.engines.wire import (
     EngineChunk,
     EngineRequest,
     KVBlocks,
@@ -83,11 +83,11 @@ class VLLMEngine:
         self.kv_blocks_total = blocks - 1 if blocks else None
 
     def _size_cpu(self) -> CpuPlan | None:
-        """On CPU, give the engine its own thread count and binding (`app.sizing`), unless
+        """On CPU, give the engine its own thread count and binding (`app.engines.sizing`), unless
         the app's `env` sets them explicitly. Returns the plan applied, if any."""
         from vllm.platforms import current_platform
 
-        from app.sizing import plan_for_this_replica
+        from app.engines.sizing import plan_for_this_replica
 
         if not current_platform.is_cpu():
             return None
@@ -105,13 +105,13 @@ class VLLMEngine:
         return dict(result[0]) if result else None
 
     def _metrics_loggers(self) -> list:
-        """Stat loggers that export metrics through Ray (`app.metrics`): vLLM's own engine
+        """Stat loggers that export metrics through Ray (`app.api.metrics`): vLLM's own engine
         metrics (`ray_vllm_*`) and this engine's KV blocks and NIXL reads (`ray_kvturn_engine_*`,
         `ray_kvturn_nixl_*`)."""
         from vllm.v1.metrics.loggers import StatLoggerBase
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        from app.metrics import EngineMetrics
+        from app.api.metrics import EngineMetrics
 
         engine_metrics = EngineMetrics(role=self.engine_id.split("-", 1)[0], engine_id=self.engine_id)
 

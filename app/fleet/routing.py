@@ -109,7 +109,7 @@ def process_liveness() -> Liveness:
     ships a custom router class to the handle's process pickled *by value* (its module's
     globals copied with it): a router that wrote to its own `LIVENESS` global would fill
     a copy nobody reads."""
-    from app import routing
+    from app.fleet import routing
 
     return routing.LIVENESS
 

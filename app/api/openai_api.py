@@ -18,9 +18,9 @@ import re
 import uuid
 from typing import Any
 
+from app.api.protocol import ChatCompletionRequest
 from app.config import AppConfig
 from app.errors import APIError, client_error
-from app.protocol import ChatCompletionRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from app.registry import NodeRegistry
+from app.engines.registry import NodeRegistry
 
 Binding = Literal["nobind", "exclusive", "vllm"]
 

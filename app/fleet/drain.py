@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import Any, Protocol
 
 from app.config import AppConfig
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from connector.handle import KVHandle, Location, WireError, move_params
 from connector.records import Claim
 
@@ -200,7 +200,7 @@ class Rebalance:
     """Moves the least recently used conversations of a decode engine whose pinned share
     is nearly full (`drain.rebalance_above` of its budget) to the peer with the most room
     (under `drain.rebalance_below`), instead of letting the store evict them once it is
-    full. Run by each ingress's decode-memory ticker (`app.memory`); moves of the same
+    full. Run by each ingress's decode-memory ticker (`app.fleet.memory`); moves of the same
     session from two ingresses cannot collide (the store's claim is atomic)."""
 
     def __init__(self, cfg: AppConfig, store: Any, move: Mover):

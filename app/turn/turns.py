@@ -7,9 +7,9 @@ follows the flow, one step a call:
     prompt    `_prompt_ids`: token ids, re-using the ids generated last turn
               (token-in/token-out); `_fit`: the context length
     handle    `_verified_history`: verify the claimed handle token by token, cap it to
-              the common prefix, or say why not (`app.events.MissReason`)
-    route     `_decode_local` (`app.placement`): the session's decode replica alone, or P/D
-    prefill   `Legs.prefill` (`app.legs`): pull that KV from decode, compute the rest
+              the common prefix, or say why not (`app.turn.events.MissReason`)
+    route     `_decode_local` (`app.turn.placement`): the session's decode replica alone, or P/D
+    prefill   `Legs.prefill` (`app.turn.legs`): pull that KV from decode, compute the rest
     decode    `Legs.decode`: read back only what it lacks, stream (another replica if one
               fails: from the start before the client saw output, else going on with the
               same answer)
@@ -17,8 +17,8 @@ follows the flow, one step a call:
               with the exact token sequence, settle the old one
 
 Every fallback (no handle, expired, mismatched, replica gone, failed pull) recomputes and
-answers normally; each is counted (`app.events.TurnCount`). Engines and the store are
-reached through the seams in `app.turn_model`, so unit tests run this real logic with fakes.
+answers normally; each is counted (`app.turn.events.TurnCount`). Engines and the store are
+reached through the seams in `app.turn.model`, so unit tests run this real logic with fakes.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from app.config import AppConfig, Mode
-from app.engine_setup import decode_prompt_chunk
+from app.engines.setup import decode_prompt_chunk
+from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.errors import APIError, DecodeFailed, RateLimited
-from app.events import MissReason, TurnCount
-from app.legs import Continued, Legs, Restart
-from app.memory import DecodeMemory
-from app.pacing import DecodeStreams, LegPace, LocalLeg
-from app.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
-from app.turn_model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
-from app.wire import EngineChunk, EngineRequest, Sampling
+from app.fleet.memory import DecodeMemory
+from app.turn.events import MissReason, TurnCount
+from app.turn.legs import Continued, Legs, Restart
+from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
+from app.turn.pacing import DecodeStreams, LegPace, LocalLeg
+from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
 
@@ -238,7 +238,7 @@ class Turns:
             claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
         wait_until = time.monotonic() + self._cfg.drain.wait_s
         while claim is not None and claim.miss_reason == MissReason.MOVING and time.monotonic() < wait_until:
-            # A stopping decode replica is handing this conversation to a peer (`app.drain`):
+            # A stopping decode replica is handing this conversation to a peer (`app.fleet.drain`):
             # wait for the new handle rather than recompute the history.
             self.counts[TurnCount.MOVE_WAITED] += 1
             await self._store_call(self._store.end_turn(claim, TurnOutcome.UNUSED, None), None, "end_turn")
@@ -343,7 +343,7 @@ class Turns:
         if conv.decode_replica and self._clients.decode_alive(conv.decode_replica) is False:
             if await self._clients.decode_stopping(conv.decode_replica):
                 # Out of the routing set but still up (Serve drains it): its engine still
-                # holds the blocks, so pull them; what no turn claims it moves (`app.drain`).
+                # holds the blocks, so pull them; what no turn claims it moves (`app.fleet.drain`).
                 self.counts[TurnCount.PULL_FROM_DRAINING] += 1
             else:
                 assert self._store is not None  # the claim came from it
@@ -368,7 +368,7 @@ class Turns:
     ) -> Reason | None:
         """Why the session's decode replica computes this turn alone, or None (through
         prefill): bidir, with that replica's prefix cache holding the history (or no
-        history at all), and `app.placement` choosing it from this ingress's measured
+        history at all), and `app.turn.placement` choosing it from this ingress's measured
         loads (`transfer.placement`). Each choice is counted as `placed_<reason>`."""
         if not self._cfg.reuses_kv:
             return None

@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from app.auth import Tenant
+from app.api.auth import Tenant
 from app.errors import RateLimited
 
 WINDOW_S = 60.0

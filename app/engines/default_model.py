@@ -13,8 +13,8 @@ Two variants share every weight but one row of the output head:
 * `open` (`models/tiny-qwen3`, the test suite's): answers rarely end before
   `max_tokens`, so a test fixes each answer's length.
 
-    python -m app.default_model --out models/default/tiny-qwen3            # brief
-    python -m app.default_model --out models/tiny-qwen3 --answers open
+    python -m app.engines.default_model --out models/default/tiny-qwen3            # brief
+    python -m app.engines.default_model --out models/tiny-qwen3 --answers open
 """
 
 from __future__ import annotations

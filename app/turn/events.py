@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from app.placement import Reason as Placed
+from app.turn.placement import Reason as Placed
 from connector.events import Miss
 from connector.records import HandleState
 
@@ -44,7 +44,7 @@ class MissReason(enum.StrEnum):
 
 class Continuation(enum.StrEnum):
     """How a streamed answer goes on after its decode replica failed mid-stream
-    (`app.legs.continuation_of`)."""
+    (`app.turn.legs.continuation_of`)."""
 
     RESUMED = "resumed"
     """The survivor computes the prompt plus the tokens sent and generates the rest."""
@@ -105,7 +105,7 @@ class TurnCount(enum.StrEnum):
     DECODE_LOCAL = "decode_local"
     DECODE_LOCAL_BUSY = "decode_local_busy"
     DECODE_LOCAL_CACHED_TOKENS = "decode_local_cached_tokens"
-    # Why (`app.placement.Reason`): on decode (short, sooner, busy) or through prefill.
+    # Why (`app.turn.placement.Reason`): on decode (short, sooner, busy) or through prefill.
     PLACED_SHORT = "placed_short"
     PLACED_SOONER = "placed_sooner"
     PLACED_BUSY = "placed_busy"
@@ -130,7 +130,7 @@ class TurnCount(enum.StrEnum):
     DECODE_FAILED = "decode_failed"
     DECODE_NO_HANDLE = "decode_no_handle"
     # A streamed answer whose decode replica failed after output reached the client
-    # (`app.legs.Legs.decode`): continued on another replica, by how (`Continuation`).
+    # (`app.turn.legs.Legs.decode`): continued on another replica, by how (`Continuation`).
     DECODE_CONTINUED = "decode_continued"
     DECODE_CONTINUED_RESUMED = "decode_continued_resumed"
     DECODE_CONTINUED_REPLAYED_GRAMMAR = "decode_continued_replayed_grammar"
@@ -139,7 +139,7 @@ class TurnCount(enum.StrEnum):
     DECODE_REPLAYED_TOKENS = "decode_replayed_tokens"  # answer tokens generated again and dropped
     DECODE_CONTINUATION_DIVERGED = "decode_continuation_diverged"  # a replay gave other tokens
     DECODE_CONTINUATIONS_EXHAUSTED = "decode_continuations_exhausted"  # past `ingress.max_continuations`
-    # Decode memory (`app.memory`).
+    # Decode memory (`app.fleet.memory`).
     CAPACITY_UNKNOWN = "capacity_unknown"
     CAPACITY_SYNCED = "capacity_synced"
     CAPACITY_SYNC_ERROR = "capacity_sync_error"
@@ -150,7 +150,7 @@ class TurnCount(enum.StrEnum):
     RELEASE_REPLICA_GONE = "release_replica_gone"
     RELEASE_STORE_ERROR = "release_store_error"
     RELEASE_ENGINE_ERROR = "release_engine_error"
-    # Rebalancing (`app.drain.Rebalance`): conversations moved off a nearly full replica.
+    # Rebalancing (`app.fleet.drain.Rebalance`): conversations moved off a nearly full replica.
     REBALANCE_MOVED = "rebalance_moved"
     REBALANCE_MOVED_BLOCKS = "rebalance_moved_blocks"
     REBALANCE_PULLED_TOKENS = "rebalance_pulled_tokens"

@@ -10,8 +10,8 @@ Each replica reports one figure (Serve calls its `record_autoscaling_stats` ever
 
 and each role's policy turns the pool's total into a replica count: decode keeps the
 pool's KV in use at `target_kv_in_use` (a new replica takes new sessions at once, and
-rebalanced conversations, `app.drain.Rebalance`; a replica removed drains its
-conversations to the others, `app.drain.Drain`); prefill keeps `target_queued_tokens` in
+rebalanced conversations, `app.fleet.drain.Rebalance`; a replica removed drains its
+conversations to the others, `app.fleet.drain.Drain`); prefill keeps `target_queued_tokens` in
 flight per replica. Serve applies `min_replicas`/`max_replicas` and the up/down delays.
 Replicas not reporting yet (starting) count as empty.
 
@@ -80,7 +80,8 @@ def serve_autoscaling_config(role: str, cfg: AutoscalingRoleConfig, initial_repl
         (KV_IN_USE, cfg.target_kv_in_use) if role == "decode" else (QUEUED_TOKENS, cfg.target_queued_tokens)
     )
     policy = AutoscalingPolicy(
-        policy_function="app.autoscaling:PoolTotalPolicy", policy_kwargs={"metric": metric, "target": target}
+        policy_function="app.fleet.autoscaling:PoolTotalPolicy",
+        policy_kwargs={"metric": metric, "target": target},
     )
     return {
         "min_replicas": cfg.min_replicas,

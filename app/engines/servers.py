@@ -25,12 +25,12 @@ from dataclasses import asdict, replace
 import ray
 from ray import serve
 
-from app.autoscaling import KV_IN_USE, QUEUED_TOKENS
-from app.clients import store_settings
 from app.config import AppConfig, EngineRoleConfig
-from app.drain import Drain, last_of
-from app.engine import VLLMEngine
-from app.wire import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery
+from app.engines.engine import VLLMEngine
+from app.engines.wire import Engine, EngineChunk, EngineInfo, EngineRequest, ReplicaQuery
+from app.fleet.autoscaling import KV_IN_USE, QUEUED_TOKENS
+from app.fleet.clients import store_settings
+from app.fleet.drain import Drain, last_of
 from connector import vllm_plugin
 from connector.actor import StoreClient
 
@@ -143,7 +143,7 @@ class EngineServer:
 class PrefillServer(EngineServer):
     role = "prefill"
     queued_tokens = 0
-    """New prompt tokens of the legs in flight here (`app.autoscaling`)."""
+    """New prompt tokens of the legs in flight here (`app.fleet.autoscaling`)."""
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk | None, str]:
         """Compute the prompt (pulling what the transfer params allow) and keep its KV
@@ -217,7 +217,7 @@ class DecodeServer(EngineServer):
 
     async def __del__(self):  # type: ignore[override]  # Serve awaits an async destructor
         """Serve's graceful shutdown, once the in-flight answers finished: hand the
-        conversations this engine pins to the surviving decode replicas (`app.drain`),
+        conversations this engine pins to the surviving decode replicas (`app.fleet.drain`),
         then end the engine."""
         engine = getattr(self, "_engine", None)
         if engine is None:

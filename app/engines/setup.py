@@ -1,6 +1,6 @@
 """How a vLLM engine of the app is set up before it starts: its NIXL side-channel ports
 (reserved per node), its engine arguments for a role, and the environment the project's
-vLLM plugin reads in the engine's processes. Called by `app.engine.VLLMEngine.start`
+vLLM plugin reads in the engine's processes. Called by `app.engines.engine.VLLMEngine.start`
 (`plugin_env` also by `bench.prefill_cost`). Imports vLLM only inside the functions that
 build vLLM config objects.
 """
@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from app.config import AppConfig, EngineRoleConfig, Mode, TransferConfig
-from app.registry import NodeRegistry
+from app.engines.registry import NodeRegistry
 from connector import release, vllm_plugin
 
 _PORT_REGISTRY = "/tmp/kvturn-side-channel-ports"
@@ -37,7 +37,7 @@ def reserve_port_block(start: int, width: int, registry: str = _PORT_REGISTRY) -
     """Reserve [port, port + width) for this process's NIXL side channel on this node.
 
     Replicas on one node start at the same time, so a plain "is it free?" check races:
-    reservations go through a node-local registry (`app.registry`). vLLM adds the TP rank
+    reservations go through a node-local registry (`app.engines.registry`). vLLM adds the TP rank
     to the base port.
     """
 
@@ -121,7 +121,7 @@ def engine_args(cfg: AppConfig, role: EngineRoleConfig, *, engine_id: str, trans
         from vllm.config import StructuredOutputsConfig
 
         # Grammars without free whitespace (xgrammar's option; structural tags are made
-        # compact per request by `app.openai_api.compact_structural_tag`).
+        # compact per request by `app.api.openai_api.compact_structural_tag`).
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=True
         )
@@ -140,7 +140,7 @@ def decode_chunking(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, int]:
     as the builder binds it): a prompt computed there (a decode-local turn, a recompute)
     takes at most `transfer.decode_chunk_tokens` tokens a step, and a step has room for one
     token of every running stream besides (`max_num_batched_tokens`), so each step that
-    computes a prompt grows by a bounded amount (`app.placement` prices it). Empty for
+    computes a prompt grows by a bounded amount (`app.turn.placement` prices it). Empty for
     other engines, with `decode_chunk_tokens` 0, and where `engine_kwargs` set either."""
     chunk = min(cfg.transfer.decode_chunk_tokens, cfg.max_model_len)
     own = ("long_prefill_token_threshold", "max_num_batched_tokens")
@@ -156,7 +156,7 @@ def decode_prompt_chunk(cfg: AppConfig) -> int:
     """The most tokens of a prompt a decode engine computes in one step, as its engine
     arguments set it (`decode_chunking`, or the decode role's own `engine_kwargs`); 0:
     not bounded by the app (a whole prompt within vLLM's default budget). Read by the
-    ingress to price a decode-local turn (`app.placement.Limits.chunk_tokens`)."""
+    ingress to price a decode-local turn (`app.turn.placement.Limits.chunk_tokens`)."""
     if not cfg.disaggregated:
         return 0
     args = {**decode_chunking(cfg, cfg.decode), **cfg.decode.engine_kwargs}

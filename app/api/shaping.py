@@ -1,7 +1,7 @@
 """Turns into OpenAI response bodies: a whole `chat.completion` / `text_completion`, or the
 chunks of a stream and their server-sent events. Called by the ingress once per request
-with the turn's events (`app.turns.Turns.run`); tool calls and reasoning come from vLLM's
-parsers (`app.openai_api`). Adds the `kvturn` extension (session, reuse, timings).
+with the turn's events (`app.turn.turns.Turns.run`); tool calls and reasoning come from vLLM's
+parsers (`app.api.openai_api`). Adds the `kvturn` extension (session, reuse, timings).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from app import openai_api
+from app.api import openai_api
 from app.errors import error_body
-from app.turn_model import Delta, TurnInput, TurnResult
+from app.turn.model import Delta, TurnInput, TurnResult
 
 
 def usage(result: TurnResult) -> dict:

@@ -5,7 +5,7 @@ With `access.api_keys` set (as vLLM's `--api-key`), every HTTP route but `/healt
 body. Each key is a tenant: its session ids are namespaced internally by a short hash of
 the key (`k<12 hex>:` + the client's id), so one tenant can never claim, read or replace
 another tenant's conversation, even with the same `x-session-id`, and a sessionless prompt
-only ever matches the tenant's own conversations (`app.turns` keeps matches inside the
+only ever matches the tenant's own conversations (`app.turn.turns` keeps matches inside the
 turn's namespace). Clients see their own ids only: the prefix is stripped from responses.
 
 `DeploymentHandle` callers are inside the Ray cluster and trusted: without `api_key=` they

@@ -15,7 +15,7 @@ Who records what:
   miss reason; and every `POLL_S` (`ensure_polling`) the orchestration's event counters
   (`sync_events`: pull timeouts, retries, failed legs, placement choices, ...) and the handle store's state
   (`StoreGauges`). Store call latency: `TimedStore`, a wrapper of the store client.
-* `EngineMetrics` (one per engine, fed by vLLM's stat-logger hook in `app.engine`): KV
+* `EngineMetrics` (one per engine, fed by vLLM's stat-logger hook in `app.engines.engine`): KV
   blocks in use (for a decode engine with nothing running: the blocks it pins for the
   next turn's pull), running requests, NIXL reads, their bytes, seconds and failures.
 
@@ -35,8 +35,8 @@ from typing import Any
 
 from ray.util import metrics as ray_metrics
 
-from app.events import CONTINUED_FROM
-from app.placement import ON_DECODE, Reason
+from app.turn.events import CONTINUED_FROM
+from app.turn.placement import ON_DECODE, Reason
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,7 +46,7 @@ STORE_BOUNDARIES = [0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
 POLL_S = 5.0
 PLACED = "placed_"
-"""Prefix of the placement counters of `Turns.counts` (`placed_<app.placement.Reason>`)."""
+"""Prefix of the placement counters of `Turns.counts` (`placed_<app.turn.placement.Reason>`)."""
 
 
 def turn_bucket(index: int | None) -> str:
@@ -109,7 +109,7 @@ class TurnMetrics:
         )
         self.hops = ray_metrics.Histogram(
             "kvturn_turn_hop_seconds",
-            "Where a turn's time to first token went, by hop (`app.metrics.turn_hops`).",
+            "Where a turn's time to first token went, by hop (`app.api.metrics.turn_hops`).",
             boundaries=HOP_BOUNDARIES,
             tag_keys=("mode", "hop"),
         )
@@ -146,7 +146,7 @@ class TurnMetrics:
         self.placements = ray_metrics.Counter(
             "kvturn_placements",
             "Bidir turns by where the placement policy sent them (decode, prefill) and why "
-            "(`app.placement.Reason`: short, sooner, busy, itl, later, too_long, idle, no_replica).",
+            "(`app.turn.placement.Reason`: short, sooner, busy, itl, later, too_long, idle, no_replica).",
             tag_keys=("route", "reason"),
         )
         self.continuations = ray_metrics.Counter(
@@ -201,7 +201,7 @@ class TurnMetrics:
             await asyncio.sleep(POLL_S)
 
     def record_turn(self, result: Any, turn_index: int | None, tenant: str | None = None) -> None:
-        """One finished turn (`app.turns.TurnResult`) of `tenant` (its label)."""
+        """One finished turn (`app.turn.turns.TurnResult`) of `tenant` (its label)."""
         tags = {"mode": self._mode, "turn": turn_bucket(turn_index)}
         self.turns.inc(1, tags=tags)
         if tenant is not None:
@@ -230,7 +230,7 @@ class TurnMetrics:
             self.misses.inc(1, tags={"mode": self._mode, "reason": str(result.miss_reason)})
 
     def sync_refusals(self, refused: Mapping[tuple[str, str], int]) -> None:
-        """Export the growth of the quotas' refusals (`app.quotas.Quotas.refused`)."""
+        """Export the growth of the quotas' refusals (`app.api.quotas.Quotas.refused`)."""
         for (tenant, quota), value in list(refused.items()):
             grown = value - self._refused[(tenant, quota)]
             if grown > 0:
@@ -244,14 +244,14 @@ class TurnMetrics:
             if grown <= 0:
                 continue
             self._synced[event] = value
-            if event.startswith(CONTINUED_FROM):  # `app.events.Continuation.of_replica`
+            if event.startswith(CONTINUED_FROM):  # `app.turn.events.Continuation.of_replica`
                 how, _, replica = event.removeprefix(CONTINUED_FROM).partition("/")
                 self.continuations.inc(grown, tags={"how": how, "replica": replica})
                 continue
             self.events.inc(grown, tags={"event": str(event)})
             if event == "pull_timeout":
                 self.pull_timeouts.inc(grown)
-            elif event.startswith(PLACED):  # `app.events.TurnCount.PLACED_*`
+            elif event.startswith(PLACED):  # `app.turn.events.TurnCount.PLACED_*`
                 reason = Reason(event.removeprefix(PLACED))
                 route = "decode" if reason in ON_DECODE else "prefill"
                 self.placements.inc(grown, tags={"route": route, "reason": str(reason)})
