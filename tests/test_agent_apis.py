@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from app.api import messages_api, openai_api, responses_api, sessions
+from app.api import messages_api, openai_api, responses_api, responses_serving, sessions
+from app.api.response_chain import ResponseTurn
 from app.errors import APIError, RateLimited
 
 WEATHER = {
@@ -378,7 +379,7 @@ async def test_chat_chunks_become_the_responses_event_sequence():
         stored.append(response)
 
     stream = responses_api.EventStream(request, params, "m")
-    events = [e async for e in responses_api.events(stream, chunks(), store)]
+    events = [e async for e in responses_serving.events(stream, chunks(), store)]
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed" and [e["sequence_number"] for e in events] == list(
@@ -408,7 +409,9 @@ async def test_a_failed_responses_stream_ends_with_response_failed():
 
     events = [
         e
-        async for e in responses_api.events(responses_api.EventStream(request, params, "m"), chunks(), store)
+        async for e in responses_serving.events(
+            responses_api.EventStream(request, params, "m"), chunks(), store
+        )
     ]
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
 
@@ -540,7 +543,7 @@ def test_a_stored_response_reads_without_this_package():
     response = responses_api.body(
         request, params, "m", 1, items, "stop", chat_completion({})["usage"], reuse(result)
     )
-    turn = responses_api.ResponseTurn(request, Tenant("", None, TenantPolicy()), None, False, messages)
+    turn = ResponseTurn(request, Tenant("", None, TenantPolicy()), None, False, messages)
     stored, _ = turn.stored(response)
     assert stored.body["kvturn"]["miss_reason"] == "pulled"
     payload = pickle.dumps(stored, protocol=5)

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.auth import Tenant, scoped
 from app.api.messages_api import refuse_server_fields
 from app.api.protocol import ChatCompletionRequest
-from app.errors import APIError, client_error, error_body
-from connector.response_store import StoredResponse
+from app.errors import APIError, client_error
 
 UNSUPPORTED = {
     "background": "background responses are not supported",
@@ -86,42 +82,6 @@ def input_items(request) -> list[dict[str, Any]]:
     for item in items:
         item.setdefault("id", "msg_" + uuid.uuid4().hex[:24])
     return items
-
-
-@dataclass
-class ResponseTurn:
-    """A Responses request on its way: the response it continues (`previous`, whose
-    continuation it `owner`s or forks) and the chat turn it runs as."""
-
-    request: Any
-    tenant: Tenant
-    previous: StoredResponse | None
-    owner: bool
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    """Chat messages of the whole conversation this response answers."""
-    body: Any = None
-    prepared: Any = None
-
-    def stored(self, response: dict[str, Any]) -> tuple[StoredResponse, list[dict[str, Any]]]:
-        """The response to store: what it added to its conversation (its input messages
-        and its output as the next turn renders it) over its parent; and the parent's
-        whole history, to store it alone if the shard lost the parent."""
-        history = self.previous.messages if self.previous is not None else []
-        # The messages that came from the history and the request's instructions (which
-        # do not carry over a chain), not from its input.
-        inherited = (1 if self.request.instructions else 0) + sum(
-            1 for m in history if m.get("role") != "system"
-        )
-        stored = StoredResponse(
-            key=scoped(self.tenant.namespace, response["id"]),
-            session_id=response["kvturn"]["session_id"],
-            created_at=time.time(),
-            body=response,
-            messages=self.messages[inherited:] + [assistant_message(response["output"])],
-            input_items=input_items(self.request),
-            parent_key=self.previous.key if self.previous is not None else None,
-        )
-        return stored, history
 
 
 def chat_messages(request, history: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -425,34 +385,3 @@ class EventStream:
             status="failed", error={"code": error.get("code") or "server_error", "message": error["message"]}
         )
         return self._event({"type": "response.failed", "response": response})
-
-
-async def events(
-    stream: EventStream, chunks: AsyncIterator[dict[str, Any]], store: Callable[[dict[str, Any]], Any]
-) -> AsyncIterator[dict[str, Any]]:
-    """The whole event sequence from our chat chunks (the usage chunk included).
-    `response.completed` goes out only once the chunks are exhausted (the turn has
-    stored its KV handle) and `store` has kept the response: a client that continues
-    the chain as soon as it reads `completed` finds both, and one that hangs up then
-    cuts nothing short."""
-    for event in stream.opening():
-        yield event
-    finish, kvturn, response = None, None, None
-    try:
-        async for chunk in chunks:
-            for choice in chunk.get("choices") or []:
-                for event in stream.delta(choice.get("delta") or {}):
-                    yield event
-                finish = choice.get("finish_reason") or finish
-            kvturn = chunk.get("kvturn", kvturn)
-            if chunk.get("usage"):
-                closing, response = stream.closing(finish or "stop", chunk["usage"], kvturn)
-                for event in closing:
-                    yield event
-        if response is None:
-            raise RuntimeError("the answer ended without its usage")
-        await store(response)
-        yield stream.completed(response)
-    except Exception as exc:  # the stream started: the failure is an event
-        _, error = error_body(exc)
-        yield stream.failed(error["error"])

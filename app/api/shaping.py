@@ -38,11 +38,10 @@ def reuse(result: TurnResult) -> dict:
     }
 
 
-async def sse(first: dict, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Server-sent events of the chunks; an error after the stream started is an
     OpenAI-style error event, then `[DONE]`."""
     try:
-        yield f"data: {json.dumps(first)}\n\n"
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as exc:  # headers are sent: report the error in-stream

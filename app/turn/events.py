@@ -167,6 +167,15 @@ class TurnCount(enum.StrEnum):
     RELEASE_EVICTED = "release_evicted"
     RELEASE_SUPERSEDED = "release_superseded"
     RELEASE_ENDED = "release_ended"
+    # Responses not kept for `previous_response_id` (`app.api.response_chain`), by why.
+    RESPONSES_NOT_STORED_TOO_BIG = "responses_not_stored_too_big"
+    RESPONSES_NOT_STORED_NO_PARENT = "responses_not_stored_no_parent"
+    RESPONSES_NOT_STORED_UNAVAILABLE = "responses_not_stored_unavailable"
+
+    @classmethod
+    def not_stored(cls, result: str) -> TurnCount:
+        """The counter of a response the store did not keep (`put_response`'s answer)."""
+        return cls(f"responses_not_stored_{result}")
 
     @classmethod
     def release(cls, reason: object) -> TurnCount:
