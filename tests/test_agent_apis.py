@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from app.api import messages_api, openai_api, responses_api, responses_serving, sessions
+from app.api import chat_output, messages_api, openai_api, responses_api, responses_serving, sessions
 from app.api.response_chain import ResponseTurn
 from app.errors import APIError, RateLimited
 
@@ -518,7 +518,7 @@ def test_whitespace_variants_of_a_tool_call_tag_keep_the_template_s_form():
 
 
 def test_json_spaces_are_removed_outside_strings_across_pieces():
-    spaces = openai_api.JsonSpaces()
+    spaces = chat_output.JsonSpaces()
     pieces = ['{"a b": ', '"x \\" y", "c"', ": [1, 2],\n", ' "d": "\\\\"}']
     assert "".join(spaces.feed(p) for p in pieces) == '{"a b":"x \\" y","c":[1,2],"d":"\\\\"}'
 

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app import errors
-from app.api import openai_api
+from app.api import chat_output, openai_api
 from app.api.protocol import APIError, ChatCompletionRequest
 from app.config import AppConfig
 from app.engines.wire import TokenLogprob
@@ -205,11 +205,11 @@ def test_chat_template_renders_tools_calls_results_and_reasoning(tok):
 
 def test_plain_answer_passes_through_the_parsers(parsers, tok):
     body, parser = request(parsers)
-    assert openai_api.chat_message(parser, True, body, "hello world", tok.encode("hello world")) == (
+    assert chat_output.chat_message(parser, True, body, "hello world", tok.encode("hello world")) == (
         {"role": "assistant", "content": "hello world"},
         False,
     )
-    stream = openai_api.ChatStream(parser, body, [1, 2])
+    stream = chat_output.ChatStream(parser, body, [1, 2])
     assert [stream.delta(t, tok.encode(t)) for t in ("hel", "lo")] == [{"content": "hel"}, {"content": "lo"}]
 
 
@@ -224,20 +224,20 @@ def test_tool_calls_parsed_and_constrained(parsers, tok, choice):
     # with the tool's argument schema pinned.
     tag = json.loads(body.to_sampling_params(8, {}).structured_outputs.structural_tag)
     assert '"enum": ["Paris", "Rome"]' in json.dumps(tag)
-    message, called = openai_api.chat_message(parser, True, body, CALL, tok.encode(CALL))
+    message, called = chat_output.chat_message(parser, True, body, CALL, tok.encode(CALL))
     assert called and message["content"] is None
     (call,) = message["tool_calls"]
     assert call["id"].startswith("call_") and call["function"] == {
         "name": "get_weather",
         "arguments": '{"city": "Rome"}',
     }
-    assert openai_api.finish_reason("stop", called) == "tool_calls"
-    assert openai_api.finish_reason("length", called) == "length"
+    assert chat_output.finish_reason("stop", called) == "tool_calls"
+    assert chat_output.finish_reason("length", called) == "length"
 
 
 def test_tool_calls_streamed(parsers, tok):
     body, parser = request(parsers, tools=TOOLS)
-    stream = openai_api.ChatStream(parser, body, [1, 2])
+    stream = chat_output.ChatStream(parser, body, [1, 2])
     deltas = [stream.delta(tok.decode([i]), [i]) for i in tok.encode("ok " + CALL)]
     deltas.append(stream.delta("", [], finished=True))
     calls = [tc for d in deltas if d for tc in d.get("tool_calls", [])]
@@ -254,10 +254,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parsers, tok, parallel):
         assert '"stop_after_first":true' in body.to_sampling_params(
             8, {}
         ).structured_outputs.structural_tag.replace(" ", "")
-    message, called = openai_api.chat_message(parser, True, body, two, tok.encode(two))
+    message, called = chat_output.chat_message(parser, True, body, two, tok.encode(two))
     assert called and len(message["tool_calls"]) == (2 if parallel else 1)
     body, parser = request(parsers, tools=TOOLS, parallel_tool_calls=parallel)
-    stream = openai_api.ChatStream(parser, body, [1, 2])
+    stream = chat_output.ChatStream(parser, body, [1, 2])
     deltas = [stream.delta(tok.decode([i]), [i]) for i in tok.encode(two)]
     deltas.append(stream.delta("", [], finished=True))
     indexes = {tc["index"] for d in deltas if d for tc in d.get("tool_calls", [])}
@@ -266,17 +266,17 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parsers, tok, parallel):
 
 def test_tool_choice_none_leaves_markup_as_content(parsers, tok):
     body, parser = request(parsers, tools=TOOLS, tool_choice="none")
-    message, called = openai_api.chat_message(parser, True, body, CALL, tok.encode(CALL))
+    message, called = chat_output.chat_message(parser, True, body, CALL, tok.encode(CALL))
     assert not called and message["content"] == CALL
 
 
 def test_reasoning_split_when_thinking(parsers, tok):
     out = "some thought</think>\n\nthe answer"
     body, parser = request(parsers, chat_template_kwargs={"enable_thinking": True})
-    message, _ = openai_api.chat_message(parser, True, body, out, tok.encode(out))
+    message, _ = chat_output.chat_message(parser, True, body, out, tok.encode(out))
     assert message["reasoning_content"] == "some thought" and message["content"].strip() == "the answer"
     body, parser = request(parsers)  # thinking off (the configured default): all content
-    message, _ = openai_api.chat_message(parser, True, body, "plain", tok.encode("plain"))
+    message, _ = chat_output.chat_message(parser, True, body, "plain", tok.encode("plain"))
     assert message == {"role": "assistant", "content": "plain"}
 
 
@@ -287,7 +287,7 @@ ENTRIES = (
 
 
 def test_chat_logprobs_shape():
-    out = openai_api.chat_logprobs(ENTRIES)
+    out = chat_output.chat_logprobs(ENTRIES)
     first, second = out["content"]
     assert first == {
         "token": "hé",
@@ -299,11 +299,11 @@ def test_chat_logprobs_shape():
         ],
     }
     assert second["logprob"] == -9999.0  # -inf is not JSON
-    assert openai_api.chat_logprobs(None) is None
+    assert chat_output.chat_logprobs(None) is None
 
 
 def test_completion_logprobs_legacy_shape():
-    out = openai_api.completion_logprobs(ENTRIES, offset=10)
+    out = chat_output.completion_logprobs(ENTRIES, offset=10)
     assert out == {
         "tokens": ["hé", "c"],
         "token_logprobs": [-0.5, -9999.0],

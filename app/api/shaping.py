@@ -1,7 +1,7 @@
 """Turns into OpenAI response bodies: a whole `chat.completion` / `text_completion`, or the
 chunks of a stream and their server-sent events. Called by the ingress once per request
 with the turn's events (`app.turn.turns.Turns.run`); tool calls and reasoning come from vLLM's
-parsers (`app.api.openai_api`). Adds the `kvturn` extension (session, reuse, timings).
+parsers (`app.api.chat_output`). Adds the `kvturn` extension (session, reuse, timings).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from app.api import openai_api
+from app.api import chat_output
 from app.errors import error_body
 from app.turn.model import Delta, TurnInput, TurnResult
 
@@ -72,22 +72,22 @@ class ResponseShaper:
         """The body of a turn that does not stream."""
         choice: dict[str, Any]
         if kind == "chat.completion":
-            message, called = openai_api.chat_message(
+            message, called = chat_output.chat_message(
                 parser, self._auto_tools, body, text, token_ids, self._compact
             )
-            reason = openai_api.finish_reason(result.finish_reason, called)
+            reason = chat_output.finish_reason(result.finish_reason, called)
             choice = {
                 "index": 0,
                 "message": message,
                 "finish_reason": reason,
-                "logprobs": openai_api.chat_logprobs(logprobs),
+                "logprobs": chat_output.chat_logprobs(logprobs),
             }
         else:
             choice = {
                 "index": 0,
                 "text": text,
                 "finish_reason": result.finish_reason,
-                "logprobs": openai_api.completion_logprobs(logprobs),
+                "logprobs": chat_output.completion_logprobs(logprobs),
             }
         response = {
             "id": turn.request_id,
@@ -111,7 +111,7 @@ class ResponseShaper:
         chat = kind == "chat.completion"
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        stream = openai_api.ChatStream(parser, body, turn.prompt_ids, self._compact) if chat else None
+        stream = chat_output.ChatStream(parser, body, turn.prompt_ids, self._compact) if chat else None
 
         def envelope(choices: list, **extra) -> dict:
             return {
@@ -143,11 +143,11 @@ class ResponseShaper:
                         continue
                     choice = {"index": 0, "delta": delta or {}, "finish_reason": None}
                     if event.logprobs is not None:
-                        choice["logprobs"] = openai_api.chat_logprobs(event.logprobs)
+                        choice["logprobs"] = chat_output.chat_logprobs(event.logprobs)
                 else:
                     choice = {"index": 0, "text": event.text, "finish_reason": None}
                     if event.logprobs is not None:
-                        choice["logprobs"] = openai_api.completion_logprobs(event.logprobs, offset)
+                        choice["logprobs"] = chat_output.completion_logprobs(event.logprobs, offset)
                     offset += len(event.text)
                 if body.return_token_ids:
                     choice["token_ids"] = list(event.token_ids)
@@ -161,7 +161,7 @@ class ResponseShaper:
                 last = {
                     "index": 0,
                     "delta": {},
-                    "finish_reason": openai_api.finish_reason(event.finish_reason, stream.called_tools),
+                    "finish_reason": chat_output.finish_reason(event.finish_reason, stream.called_tools),
                 }
             else:
                 last = {"index": 0, "text": "", "finish_reason": event.finish_reason}
