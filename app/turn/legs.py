@@ -26,7 +26,28 @@ from app.turn.model import EngineClients, TurnInput
 from app.turn.pacing import LegPace
 from connector.handle import KVHandle, WireError, local_decode_params, prefill_params
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prefill leg's result (`Legs.prefill`)."""
+
+    kv_params: dict | None = None
+    """Decode's transfer params: read the prompt's KV from the prefill engine. None:
+    decode computes the prompt itself (the leg was skipped or failed twice)."""
+    cached: int = 0
+    """Prompt tokens the prefill engine did not compute (pulled or in its prefix cache)."""
+    pulled: bool = False
+    """The offered history was read from decode (a short pull counts as not read)."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """From `Legs.decode`: a piece of the answer and the decode replica that produced it."""
+
+    chunk: EngineChunk
+    replica: str
 
 
 @dataclass(frozen=True)
@@ -66,10 +87,8 @@ class Legs:
         history: KVHandle | None,
         pin_deadline: float | None = None,
         timings: dict[str, float] | None = None,
-    ) -> tuple[dict | None, int, bool]:
-        """Run the prefill leg. Returns params for decode (None: decode computes all),
-        the prompt tokens prefill did not compute, and whether the offered history was read.
-        The engine's own times of the leg that answered go into `timings`.
+    ) -> Prefilled:
+        """Run the prefill leg. The engine's own times of the leg that answered go into `timings`.
 
         A leg that pulls history gets a deadline (`LegPace.deadline`: the pull's
         `transfer.pull_timeout_s` on top of the compute expected here); past it the call
@@ -100,7 +119,7 @@ class Legs:
             if history is None:  # nothing to recompute without: decode computes the prompt
                 self.counts[TurnCount.PREFILL_TIMEOUT] += 1
                 self.counts[TurnCount.PREFILL_SKIPPED] += 1
-                return None, 0, False
+                return Prefilled()
             self.counts[TurnCount.PULL_DEADLINE if by_pin else TurnCount.PULL_TIMEOUT] += 1
             final = await self._recompute_prefill(request)
             history = None
@@ -116,15 +135,16 @@ class Legs:
                 # Prefill's recompute policy took over: the pull failed.
                 self.counts[TurnCount.PULL_SHORT] += 1
         if final is None:  # prefill failed twice: decode computes the whole prompt
-            return None, 0, False
+            return Prefilled()
         if timings is not None and final.engine_timings:
             timings["prefill_queue_s"] = final.engine_timings["queue_s"]
             timings["prefill_engine_s"] = final.engine_timings["first_token_s"]
         try:
-            return KVHandle.from_wire(final.kv_params).to_wire(), final.num_cached_tokens, pull_ok
+            kv_params = KVHandle.from_wire(final.kv_params).to_wire()
         except WireError:
             self.counts[TurnCount.PREFILL_NO_HANDLE] += 1
-            return None, final.num_cached_tokens, pull_ok
+            kv_params = None
+        return Prefilled(kv_params, final.num_cached_tokens, pull_ok)
 
     async def _recompute_prefill(self, failed: EngineRequest) -> EngineChunk | None:
         """Run a failed or late prefill leg again, without history (Serve's router picks a
@@ -162,7 +182,7 @@ class Legs:
 
     async def decode(
         self, request: EngineRequest, can_restart: Callable[[], bool] = lambda: False
-    ) -> AsyncIterator[tuple[EngineChunk, str] | Restart | Continued]:
+    ) -> AsyncIterator[Output | Restart | Continued]:
         """Stream from decode; a replica that fails is replaced.
 
         Before the client saw any output (`can_restart()`: before the first delta of a
@@ -198,7 +218,7 @@ class Legs:
                     answer.extend(trimmed.token_ids)
                     answer_chars += len(trimmed.text)
                     finished = trimmed.finished
-                    yield trimmed, replica
+                    yield Output(trimmed, replica)
                 return
             except (APIError, Diverged) as exc:
                 if isinstance(exc, Diverged):

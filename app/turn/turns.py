@@ -1,18 +1,20 @@
 """One turn of a conversation, end to end: the orchestration the ingress runs. `Turns.run`
-follows the flow, one step a call:
+follows the flow, one step a call, each step's result typed (`app.turn.steps`):
 
-    session   `_resolve_session`: which conversation (header, or prompt-token match);
-              claim its KV handle from the store (a new session past its tenant's live
-              limit is refused here)
+    session   `_resolve_session` -> `Session`: which conversation (header, agent key, or
+              prompt-token match); claim its KV handle from the store (a new session past
+              its tenant's live limit is refused here)
     prompt    `_prompt_ids`: token ids, re-using the ids generated last turn
               (token-in/token-out); `_fit`: the context length
     handle    `_verified_history`: verify the claimed handle token by token, cap it to
               the common prefix, or say why not (`app.turn.events.MissReason`)
-    route     `_decode_local` (`app.turn.placement`): the session's decode replica alone, or P/D
-    prefill   `Legs.prefill` (`app.turn.legs`): pull that KV from decode, compute the rest
-    decode    `Legs.decode`: read back only what it lacks, stream (another replica if one
-              fails: from the start before the client saw output, else going on with the
-              same answer)
+    route     `_route` -> `Route`: the session's decode replica alone (`LOCAL`, chosen by
+              `app.turn.placement`), through prefill (`PREFILL`), or decode alone (`DECODE`)
+    prefill   `Legs.prefill` -> `Prefilled` (`app.turn.legs`): pull that KV from decode,
+              compute the rest
+    decode    `_decode` over `Legs.decode` -> `Answer`: read back only what it lacks,
+              stream (another replica if one fails: from the start before the client saw
+              output, else going on with the same answer)
     store     `_conversation` + the store's `end_turn`: keep the decode engine's new handle
               with the exact token sequence, settle the old one
 
@@ -38,10 +40,11 @@ from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.errors import APIError, DecodeFailed, RateLimited
 from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
-from app.turn.legs import Continued, Legs, Restart
+from app.turn.legs import Legs, Output, Prefilled
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.turn.pacing import DecodeStreams, LegPace, LocalLeg
-from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
+from app.turn.placement import DecodeLoad, Limits, Placement, PrefillLoad, Reason, place, place_static
+from app.turn.steps import Answer, Route, Session
 from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
 
@@ -69,134 +72,74 @@ class Turns:
         self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace, tokenizer.piece)
 
     async def run(self, turn: TurnInput) -> AsyncIterator[TurnEvent]:
+        """The turn's deltas as they come (all at the end if it does not stream), then its
+        `TurnResult`. Raises `APIError` for what the client must hear (bad prompt, rate
+        limit, a decode that failed past its retries)."""
         started = time.monotonic()
         timings: dict[str, float] = {}
-        session_id, prompt_ids, claim = await self._resolve_session(turn)
+        session = await self._resolve_session(turn)
+        claim, conv = session.claim, session.claim.conversation if session.claim else None
         timings["store_s"] = time.monotonic() - started
         pin_deadline = self._pin_deadline(claim)
         outcome, new_conv, engine_blocks = TurnOutcome.UNUSED, None, None
         try:
-            conv = claim.conversation if claim else None
-            prompt_ids, spliced = self._prompt_ids(turn, prompt_ids, conv)
+            prompt_ids, spliced = self._prompt_ids(turn, session.prompt_ids, conv)
             sampling = self._fit(turn, prompt_ids)
             history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
-            decode_params, cached, pulled = None, 0, 0
-            local = self._decode_local(prompt_ids, history, conv)
-            if local:
-                # Decode computes the new tokens over the history it holds: no prefill
-                # leg, no transfer. The claimed handle is left unread (released early).
-                decode_params = local_decode_params()
-                self.counts[TurnCount.DECODE_LOCAL] += 1
-                if local in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
-                    self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
-            elif self._cfg.disaggregated:
-                decode_params, cached, pull_ok = await self._legs.prefill(
-                    turn, prompt_ids, history, pin_deadline, timings
-                )
+            route = self._route(prompt_ids, history, conv)
+            legged = Prefilled()
+            if route is Route.PREFILL:
+                legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings)
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
                     # pinned until their TTL: settle it as failed, not pulled.
-                    outcome = TurnOutcome.PULLED if pull_ok else TurnOutcome.FAILED
-                    pulled = history.num_tokens if pull_ok else 0
-                if decode_params is None and self._cfg.reuses_kv:
-                    # Prefill was skipped: decode computes the prompt and still keeps the
-                    # turn's blocks for the next pull.
-                    decode_params = local_decode_params()
+                    outcome = TurnOutcome.PULLED if legged.pulled else TurnOutcome.FAILED
             request = EngineRequest(
                 request_id=turn.request_id,
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
-                kv_params=decode_params,
+                kv_params=self._decode_params(route, legged),
                 preferred_replica=conv.decode_replica if conv else None,
                 cache_salt=turn.cache_salt,
             )
-            generated: list[int] = []
-            texts: list[str] = []
-            held: list[Delta] = []  # a turn that does not stream: its deltas, until the end
-            sent = False  # a delta reached the client: the answer can no longer start over
-            announced = False  # the first delta (with the tokens reused so far) was made
-            final, replica, recomputed, continued = None, None, False, False
+            answer = Answer(turn.stream, len(prompt_ids), route is not Route.PREFILL, legged.cached)
             leg = None
-            if local and request.preferred_replica:
+            if route is Route.LOCAL and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
                 leg = LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
-
-            def can_restart() -> bool:  # reads `sent` as the loop below sets it
-                return not sent
-
-            try:
-                async for item in self._legs.decode(request, can_restart=can_restart):
-                    if isinstance(item, Restart):
-                        # Another replica computes the prompt (and, if output had begun,
-                        # the whole answer) again: nothing of the failed attempt is kept.
-                        generated.clear()
-                        texts.clear()
-                        held.clear()
-                        final, recomputed, announced = None, True, False
-                        continue
-                    if isinstance(item, Continued):
-                        # Another replica goes on with the same answer: what was sent stays.
-                        continued = True
-                        continue
-                    chunk, replica = item
-                    if "first_token_s" not in timings:
-                        timings["first_token_s"] = time.monotonic() - started
-                        if leg is not None:
-                            leg.first_token()
-                    if chunk.engine_timings and "decode_engine_s" not in timings:
-                        timings["decode_queue_s"] = chunk.engine_timings["queue_s"]
-                        timings["decode_engine_s"] = chunk.engine_timings["first_token_s"]
-                    generated.extend(chunk.token_ids)
-                    texts.append(chunk.text)
-                    if chunk.token_ids or chunk.text:
-                        known = None
-                        if not announced:  # the answer's first delta says what was reused
-                            announced = True
-                            on_decode = recomputed or local or not self._cfg.disaggregated
-                            known = min(chunk.num_cached_tokens, len(prompt_ids)) if on_decode else cached
-                        delta = Delta(chunk.text, chunk.token_ids, chunk.logprobs, known)
-                        if turn.stream:
-                            sent = True
-                            yield delta
-                        else:
-                            held.append(delta)
-                    if chunk.finished:
-                        final = chunk
-            finally:
-                if leg is not None:
-                    computed = len(prompt_ids) - final.num_cached_tokens if final is not None else None
-                    leg.end(None if continued else computed)
-            if final is None:
-                raise DecodeFailed(replica)
-            for delta in held:
+            async for delta in self._decode(request, answer, leg, started, timings):
                 yield delta
-            if recomputed or continued:
+            final = answer.final
+            assert final is not None  # `_decode` raised otherwise
+            for delta in answer.held:
+                yield delta
+            cached = legged.cached
+            pulled = history.num_tokens if history is not None and legged.pulled else 0
+            if answer.recomputed or answer.continued:
                 # The answer came from (or ended on) a replica that computed the prompt itself.
                 cached, pulled = min(final.num_cached_tokens, len(prompt_ids)), 0
-            elif local or not self._cfg.disaggregated:
+            elif route is not Route.PREFILL:
                 cached = final.num_cached_tokens
-                if local:
+                if route is Route.LOCAL:
                     self.counts[TurnCount.DECODE_LOCAL_CACHED_TOKENS] += cached
-            new_conv = self._conversation(
-                session_id, turn, prompt_ids, generated, "".join(texts), final, replica
-            )
+            new_conv = self._conversation(session.session_id, turn, prompt_ids, answer)
             engine_blocks = await self.memory.capacity_of(new_conv)
             self.counts[TurnCount.TURNS] += 1
             self.counts[TurnCount.PROMPT_TOKENS] += len(prompt_ids)
             self.counts[TurnCount.CACHED_TOKENS] += cached
             yield TurnResult(
-                session_id=session_id.removeprefix(turn.namespace),
+                session_id=session.session_id.removeprefix(turn.namespace),
                 finish_reason=final.finish_reason or "stop",
                 prompt_token_ids=tuple(prompt_ids),
                 prompt_tokens=len(prompt_ids),
-                completion_tokens=len(generated),
+                completion_tokens=len(answer.generated),
                 cached_tokens=cached,
                 reused_from_decode=pulled,
                 miss_reason=miss,
                 spliced=spliced,
-                decode_replica=replica,
+                decode_replica=answer.replica,
                 timings={k: round(v, 4) for k, v in timings.items()},
             )
         except BaseException:
@@ -212,10 +155,10 @@ class Turns:
 
     # -- steps -------------------------------------------------------------------------
 
-    async def _resolve_session(self, turn: TurnInput) -> tuple[str, tuple[int, ...] | None, Claim | None]:
+    async def _resolve_session(self, turn: TurnInput) -> Session:
         session_id, prompt_ids = turn.session_id, turn.prompt_ids
         if self._store is None:
-            return session_id or turn.namespace + _new_session(), prompt_ids, None
+            return Session(session_id or turn.namespace + _new_session(), prompt_ids, None)
         claim = None
         if session_id is not None and turn.session_keyed:
             self.counts[TurnCount.SESSION_FROM_AGENT] += 1
@@ -250,7 +193,7 @@ class Turns:
                 f"Rate limit reached for this API key: its maximum of live sessions. Retry in {seconds} s.",
                 seconds,
             )
-        return session_id, prompt_ids, claim
+        return Session(session_id, prompt_ids, claim)
 
     async def _matched(self, turn: TurnInput, prompt_ids) -> tuple[str | None, tuple[int, ...] | None]:
         """The stored conversation of the turn's tenant that its prompt continues, by the
@@ -285,12 +228,8 @@ class Turns:
         text = turn.prompt_text
         if text is None:
             return tuple(prompt_ids), False
-        if (
-            self._cfg.sessions.token_in_token_out
-            and conv is not None
-            and conv.text is not None
-            and text.startswith(conv.text)
-        ):
+        if self._cfg.sessions.token_in_token_out and _text_extends(text, conv):
+            assert conv is not None and conv.text is not None
             self.counts[TurnCount.SPLICED] += 1
             return conv.token_ids + tuple(self._tok.encode(text[len(conv.text) :])), True
         if prompt_ids is None:
@@ -363,13 +302,22 @@ class Turns:
         self.counts[reason.counter] += 1
         return None, reason
 
-    def _decode_local(
+    def _route(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> Route:
+        """Where the turn is computed. `Route.LOCAL` in bidir when the session's decode
+        replica's prefix cache holds the history (or there is none) and `app.turn.placement`
+        chooses it from this ingress's measured loads (`transfer.placement`); each choice
+        is counted as `placed_<reason>`. Else through prefill, when there is one."""
+        placement = self._placement_of(prompt_ids, history, conv)
+        if placement is not None and placement.local:
+            self.counts[TurnCount.DECODE_LOCAL] += 1
+            if placement.reason in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
+                self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
+            return Route.LOCAL
+        return Route.PREFILL if self._cfg.disaggregated else Route.DECODE
+
+    def _placement_of(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
-    ) -> Reason | None:
-        """Why the session's decode replica computes this turn alone, or None (through
-        prefill): bidir, with that replica's prefix cache holding the history (or no
-        history at all), and `app.turn.placement` choosing it from this ingress's measured
-        loads (`transfer.placement`). Each choice is counted as `placed_<reason>`."""
+    ) -> Placement | None:
         if not self._cfg.reuses_kv:
             return None
         replica = conv.decode_replica if conv is not None else None
@@ -393,7 +341,46 @@ class Turns:
             )
         placement = self._placement(new_tokens, prefill, decode, self._limits)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
-        return placement.reason if placement.local else None
+        return placement
+
+    def _decode_params(self, route: Route, legged: Prefilled) -> dict | None:
+        """Decode's transfer params: compute over the history it holds (`Route.LOCAL`),
+        read the prefill engine's blocks, or, prefill skipped, compute the prompt and
+        still keep the turn's blocks for the next pull."""
+        if route is Route.LOCAL:
+            return local_decode_params()
+        if route is Route.PREFILL and legged.kv_params is not None:
+            return legged.kv_params
+        return local_decode_params() if route is Route.PREFILL and self._cfg.reuses_kv else None
+
+    async def _decode(
+        self, request: EngineRequest, answer: Answer, leg: LocalLeg | None, started: float, timings: dict
+    ) -> AsyncIterator[Delta]:
+        """The decode step: the answer's deltas (`Legs.decode`: another replica if one
+        fails), gathered in `answer`. Raises `DecodeFailed` when no replica finished it."""
+        try:
+            async for item in self._legs.decode(request, can_restart=answer.can_restart):
+                if isinstance(item, Output):
+                    if "first_token_s" not in timings:
+                        timings["first_token_s"] = time.monotonic() - started
+                        if leg is not None:
+                            leg.first_token()
+                    engine = item.chunk.engine_timings
+                    if engine and "decode_engine_s" not in timings:
+                        timings["decode_queue_s"] = engine["queue_s"]
+                        timings["decode_engine_s"] = engine["first_token_s"]
+                delta = answer.take(item)
+                if delta is not None:
+                    yield delta
+        finally:
+            if leg is not None:
+                final = answer.final
+                computed = (
+                    len(request.prompt_token_ids) - final.num_cached_tokens if final is not None else None
+                )
+                leg.end(None if answer.continued else computed)
+        if answer.final is None:
+            raise DecodeFailed(answer.replica)
 
     def _local_pace(self, replica: str) -> LegPace:
         pace = self.local_pace.get(replica)
@@ -401,9 +388,9 @@ class Turns:
             pace = self.local_pace[replica] = LegPace()
         return pace
 
-    def _conversation(
-        self, session_id, turn: TurnInput, prompt_ids, generated, text, final: EngineChunk, replica
-    ) -> Conversation:
+    def _conversation(self, session_id: str, turn: TurnInput, prompt_ids, answer: Answer) -> Conversation:
+        final = answer.final
+        assert final is not None
         handle = None
         if self._cfg.reuses_kv:
             try:
@@ -412,11 +399,11 @@ class Turns:
                 self.counts[TurnCount.DECODE_NO_HANDLE] += 1
         return Conversation(
             session_id=session_id,
-            token_ids=tuple(prompt_ids) + tuple(generated),
+            token_ids=tuple(prompt_ids) + tuple(answer.generated),
             prompt_len=len(prompt_ids),
-            text=self._answer_text(turn, generated, text, final),
+            text=self._answer_text(turn, answer.generated, answer.text, final),
             handle=handle,
-            decode_replica=replica,
+            decode_replica=answer.replica,
         )
 
     def _answer_text(self, turn: TurnInput, generated, text: str, final: EngineChunk) -> str | None:
@@ -430,7 +417,7 @@ class Turns:
         return turn.prompt_text + text + suffix
 
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 MOVE_POLL_S = 0.05
 """How often a turn waiting for its conversation's move asks the store again."""
@@ -443,9 +430,12 @@ def _new_session() -> str:
 def _extends(turn: TurnInput, prompt_ids, conv: Conversation | None) -> bool:
     """Whether the turn's prompt continues the stored conversation `conv` (its text, or
     its exact tokens); True when there is none to compare (a new or busy session)."""
-    if conv is None:
-        return True
-    if turn.prompt_text is not None and conv.text is not None and turn.prompt_text.startswith(conv.text):
+    if conv is None or _text_extends(turn.prompt_text, conv):
         return True
     ids = prompt_ids if prompt_ids is not None else turn.prompt_ids
     return ids is not None and tuple(ids[: len(conv.token_ids)]) == conv.token_ids
+
+
+def _text_extends(text: str | None, conv: Conversation | None) -> bool:
+    """Whether the prompt's text starts with the stored conversation's exact text."""
+    return text is not None and conv is not None and conv.text is not None and text.startswith(conv.text)
