@@ -8,7 +8,7 @@ event). Imports no vLLM at module level: the turn pipeline raises these too.
 
 What each other exception becomes:
 
-* `connector.actor.StoreUnavailable` (a store call failed or timed out) -> 503
+* `connector.store_api.StoreUnavailable` (a store call failed or timed out) -> 503
   `store_unavailable`: only where a request is *about* the store (ending a session); a
   turn never fails for it (the pipeline goes on without reuse).
 * vLLM's `VLLMValidationError`, pydantic's validation errors, Starlette's HTTP errors and
@@ -122,7 +122,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     from starlette.exceptions import HTTPException
     from vllm.exceptions import VLLMValidationError
 
-    from connector.actor import StoreUnavailable
+    from connector.store_api import StoreUnavailable
 
     if isinstance(exc, APIError):
         return exc.status, exc.body()

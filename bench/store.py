@@ -312,7 +312,9 @@ def run_size(fleet: Fleet, n: int, ops: int, rng: random.Random, log) -> dict:
 def run_actor(fleet: Fleet, args: argparse.Namespace, log) -> dict:
     import ray
 
-    from connector.actor import HandleStoreActor, StoreClient, StoreSettings
+    from connector.actor import HandleStoreActor
+    from connector.client import StoreClient
+    from connector.settings import StoreSettings
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

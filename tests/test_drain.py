@@ -11,13 +11,15 @@ import pytest
 from app.engines.wire import EngineChunk, EngineRequest
 from app.fleet.drain import Drain, Rebalance, rebalance_pairs
 from connector.handle import KVHandle, Location
+from connector.settings import StoreSettings
 from connector.store import Claim, Conversation, HandleStore
+from connector.store_api import MoveStore
 from tests.test_turns import make_cfg, model_dir  # noqa: F401  # fixture
 
 BLOCK = 4
 
 
-class AsyncStore:
+class AsyncStore(MoveStore):
     """`MoveStore` over an in-process `HandleStore`."""
 
     def __init__(self, inner: HandleStore):
@@ -83,13 +85,13 @@ class Peer:
 
 
 def store_with(sessions: int, engine: str = "d-0") -> HandleStore:
-    store = HandleStore(
+    store = StoreSettings(
         handle_ttl_s=100,
         decoder_ttl_s=150,
         max_sessions=100,
         max_blocks_per_engine=1000,
         index_block_size=BLOCK,
-    )
+    ).handle_store()
     for i in range(sessions):
         ids = tuple(range(100 * i, 100 * i + 13))
         handle = KVHandle(

@@ -114,7 +114,7 @@ def test_error_bodies():
     assert errors.error_body(ValueError("internal"))[0] == 500
     assert errors.error_body(RuntimeError("boom"))[1]["error"]["type"] == "server_error"
     # A store that cannot answer a request about it (ending a session) is a 503, not a 500.
-    from connector.actor import StoreUnavailable
+    from connector.store_api import StoreUnavailable
 
     status, body = errors.error_body(StoreUnavailable("shard restarting"))
     assert status == 503 and body["error"]["code"] == "store_unavailable"

@@ -18,6 +18,7 @@ from app.fleet.memory import DecodeMemory
 from connector import release
 from connector.handle import KVHandle, Location
 from connector.patching import Unsupported
+from connector.settings import StoreSettings
 from connector.store import Conversation, TurnOutcome
 
 # -- worker side ------------------------------------------------------------------------
@@ -329,28 +330,22 @@ async def test_live_engines_capacity_synced_to_the_store_even_without_turns():
 def test_restarted_store_learns_the_budget_from_the_next_turn():
     """A shard restarted by Ray starts empty; the ingress learned each engine's block count
     once and does not ask again, so the count travels with every stored turn."""
-    from connector.store import HandleStore
 
     def turn(store, session, request_id, blocks):
         claim = store.begin_turn(session)
         store.end_turn(claim.lease_id, TurnOutcome.UNUSED, conversation_on("e0", session, request_id), blocks)
 
-    store = HandleStore(
+    settings = StoreSettings(
         handle_ttl_s=100,
         decoder_ttl_s=200,
         max_sessions=100,
         max_blocks_per_engine=10_000,
-        pinned_fraction=0.5,
+        index_block_size=32,
     )
+    store = settings.handle_store()
     turn(store, "a", "r1", 300)
     assert store.stats()["pin_budgets"] == {"e0": 150}
-    restarted = HandleStore(
-        handle_ttl_s=100,
-        decoder_ttl_s=200,
-        max_sessions=100,
-        max_blocks_per_engine=10_000,
-        pinned_fraction=0.5,
-    )
+    restarted = settings.handle_store()
     assert restarted.stats()["pin_budgets"] == {}
     turn(restarted, "b", "r2", 300)
     assert restarted.stats()["pin_budgets"] == {"e0": 150}
@@ -393,16 +388,14 @@ def cfg_for_memory(**sessions) -> AppConfig:
 
 
 def stored_store(clock):
-    from connector.store import HandleStore
-
-    return HandleStore(
+    settings = StoreSettings(
         handle_ttl_s=25,
         decoder_ttl_s=30,
         max_sessions=100,
         max_blocks_per_engine=1_000_000,
-        clock=clock,
-        pinned_fraction=0.5,
+        index_block_size=32,
     )
+    return settings.handle_store(clock=clock)
 
 
 def conv_on(session: str, blocks: int, engine="e0", replica="d0", request=None) -> Conversation:

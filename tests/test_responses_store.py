@@ -1,6 +1,6 @@
 """`connector.response_store.ResponseStore` on a fake clock, and the same store through
-`StoreClient` and the real shard class (`connector.actor.StoreShard`) run in process,
-its `.remote()` calls awaitables (no Ray)."""
+`StoreClient` over the real shards (`StoreSettings.shard()`) run in process
+(`StoreClient.of_shards`: `.remote()` calls are awaitables, no Ray)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from connector.actor import StoreClient, StoreSettings, StoreShard
+from connector.client import StoreClient
 from connector.response_store import ResponseStore, StoredResponse, route_of
+from connector.settings import StoreSettings
 
 A, B = "k0123456789ab:", "kba9876543210:"
 
@@ -39,7 +40,9 @@ def resp(key: str, text: str = "hi") -> StoredResponse:
 
 
 def store(clock, max_responses=100, max_bytes=1 << 20, ttl_s=60.0) -> ResponseStore:
-    return ResponseStore(max_responses=max_responses, max_bytes=max_bytes, ttl_s=ttl_s, clock=clock)
+    # The handle store's settings (the first five) play no part here.
+    settings = StoreSettings(1, 2, 1, 1, 1, max_responses=max_responses, max_response_bytes=max_bytes)
+    return settings.response_store(ttl_s=ttl_s, clock=clock)
 
 
 def test_size_is_the_json_size_counted_once():
@@ -140,27 +143,6 @@ def test_kept_responses_are_counted_per_tenant_namespace(clock):
 # -- through the store client and the shards ----------------------------------------------------
 
 
-class _Method:
-    def __init__(self, shard, name):
-        self._shard, self._name = shard, name
-
-    def remote(self, *args):
-        async def call():
-            return getattr(self._shard, self._name)(*args)
-
-        return call()
-
-
-class InProcessActor:
-    """A `StoreShard` whose methods are called as a Ray actor's are (`.remote()`)."""
-
-    def __init__(self, settings: StoreSettings):
-        self.shard = StoreShard(settings)
-
-    def __getattr__(self, name):
-        return _Method(self.shard, name)
-
-
 SETTINGS = StoreSettings(
     handle_ttl_s=10,
     decoder_ttl_s=20,
@@ -180,8 +162,7 @@ def test_store_settings_split_the_response_bounds_and_keep_them_from_the_handle_
 
 
 async def test_responses_through_the_client_live_on_the_shard_their_key_hashes_to():
-    actors = [InProcessActor(SETTINGS) for _ in range(SETTINGS.shards)]
-    client = StoreClient.of_actors(actors)
+    client = StoreClient.of_shards([SETTINGS.shard() for _ in range(SETTINGS.shards)])
     keys = [f"{A}resp_{i}" for i in range(8)]
     assert set(await asyncio.gather(*(client.put_response(resp(k)) for k in keys))) == {"stored"}
     shards = (await client.stats())["shards"]
@@ -243,8 +224,7 @@ def test_a_response_whose_parent_is_gone_is_refused_until_sent_alone(clock):
 
 
 async def test_the_client_stores_a_response_alone_when_its_shard_lost_the_parent():
-    actors = [InProcessActor(SETTINGS) for _ in range(SETTINGS.shards)]
-    client = StoreClient.of_actors(actors)
+    client = StoreClient.of_shards([SETTINGS.shard() for _ in range(SETTINGS.shards)])
     history = [{"role": "user", "content": "q one"}, {"role": "assistant", "content": "one"}]
     assert (
         await client.put_response(

@@ -10,6 +10,7 @@ import pytest
 from connector.events import Miss, StoreEvent
 from connector.handle import KVHandle, Location
 from connector.records import LIVE_STATES, OUTCOME_STATE, TRANSITIONS
+from connector.settings import StoreSettings
 from connector.store import (
     Conversation,
     ConversationTail,
@@ -43,19 +44,20 @@ def clock():
     return Clock()
 
 
+SETTINGS = StoreSettings(
+    handle_ttl_s=TTL,
+    decoder_ttl_s=DECODER_TTL,
+    max_sessions=100,
+    max_blocks_per_engine=1000,
+    index_block_size=BLOCK,
+)
+
+
 def make_store(clock, **kwargs) -> HandleStore:
-    params = dict(
-        handle_ttl_s=TTL,
-        decoder_ttl_s=DECODER_TTL,
-        max_sessions=100,
-        max_blocks_per_engine=1000,
-        index_block_size=BLOCK,
-        text_block_chars=TEXT_BLOCK,
-        lease_timeout_s=50.0,
-        clock=clock,
+    """A shard's store as the settings build it; `kwargs` replace or add its arguments."""
+    return SETTINGS.handle_store(
+        **{"text_block_chars": TEXT_BLOCK, "lease_timeout_s": 50.0, "clock": clock, **kwargs}
     )
-    params.update(kwargs)
-    return HandleStore(**params)
 
 
 @pytest.fixture

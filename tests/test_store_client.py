@@ -1,6 +1,7 @@
-"""`connector.actor.StoreClient`: shard handles fetched from the store deployment, checked
+"""`connector.client.StoreClient`: shard handles fetched from the store deployment, checked
 against the expected settings, fetched again after a failure; every call has a deadline.
-Shards are in-process stand-ins whose `.remote()` calls return awaitables (no Ray)."""
+Shards are the real `StoreShard` (`StoreSettings.shard()`) in process, called as actors
+are: `.remote()` calls return awaitables (no Ray)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import asyncio
 import pytest
 import ray
 
-from connector.actor import StoreClient, StoreSettings, StoreUnavailable, _ShardQueue, apply_ops
-from connector.store import HandleStore, TurnOutcome
+from connector.client import StoreClient
+from connector.settings import StoreSettings
+from connector.shard import apply_ops
+from connector.shard_queue import ShardQueue
+from connector.store import TurnOutcome
+from connector.store_api import StoreApi, StoreOp, StoreUnavailable
 
 SETTINGS = StoreSettings(
     handle_ttl_s=10, decoder_ttl_s=20, max_sessions=10, max_blocks_per_engine=100, index_block_size=4
@@ -28,16 +33,17 @@ class _Method:
             if self._shard.dead:
                 raise ray.exceptions.RayActorError()
             self._shard.calls += 1
-            if self._name == "apply":
-                return apply_ops(self._shard.store, *args)
-            return getattr(self._shard.store, self._name)(*args)
+            return getattr(self._shard.shard, self._name)(*args)
 
         return call()
 
 
 class FakeShard:
+    """A shard actor that can hang or die: `StoreSettings.shard()` behind `.remote()`."""
+
     def __init__(self):
-        self.store = HandleStore(**SETTINGS.store_kwargs())
+        self.shard = SETTINGS.shard()
+        self.store = self.shard.store
         self.hang = False
         self.dead = False
         self.calls = 0
@@ -115,7 +121,7 @@ async def test_concurrent_turns_share_round_trips_and_keep_their_order():
     claims = await asyncio.gather(*(client.begin_turn(f"s{i}") for i in range(64)))
     # Issued in one tick of the event loop: split among the senders, a round trip each
     # for 16 turns, and run by the shard in the order they were issued.
-    assert shard.calls - calls == _ShardQueue.MAX_IN_FLIGHT == 4
+    assert shard.calls - calls == ShardQueue.MAX_IN_FLIGHT == 4
     assert [c.session_id for c in claims] == [f"s{i}" for i in range(64)]
     assert [c.lease_id for c in claims] == sorted(c.lease_id for c in claims)
     await asyncio.gather(*(client.end_turn(claim, TurnOutcome.UNUSED, None) for claim in claims[8:]))
@@ -139,8 +145,18 @@ async def test_a_failed_batch_fails_each_of_its_turns_and_the_next_batch_goes_ou
     assert (await client.begin_turn("s1")).session_id == "s1"
 
 
+def test_every_declared_operation_is_implemented_and_reached_by_the_client():
+    """One declaration (`StoreOp`): each names a method of its shard part, the client has
+    a method of that name, and the client's methods are exactly the `StoreApi`."""
+    shard = SETTINGS.shard()
+    for op in StoreOp:
+        assert callable(getattr(shard._parts[op.part], op.method)), op
+        assert callable(getattr(StoreClient, op.value)), op
+    assert {n for n in dir(StoreApi) if not n.startswith("_")} == {op.value for op in StoreOp}
+
+
 def test_one_operation_failing_leaves_the_rest_of_its_batch_applied():
-    store = HandleStore(**SETTINGS.store_kwargs())
+    store = SETTINGS.handle_store()
     results = apply_ops(store, [("begin_turn", ("a",)), ("drop_engine", ("d-0",)), ("begin_turn", ("b",))])
     assert [ok for ok, _ in results] == [True, False, True]
     assert isinstance(results[1][1], ValueError)

@@ -12,8 +12,8 @@ from app.api.auth import TRUSTED_NAMESPACE, ApiKeys, namespace_of, salt_of
 from app.api.protocol import APIError
 from app.api.quotas import Quotas
 from app.config import AppConfig, TenantPolicy
-from connector.actor import StoreSettings
 from connector.handle import KVHandle, Location
+from connector.settings import StoreSettings
 from connector.shares import TenantShares, tenant_of
 from connector.store import Conversation, HandleStore, TurnOutcome
 
@@ -83,14 +83,14 @@ def handle(blocks: int, engine="d-0") -> KVHandle:
 
 
 def store(**kw) -> HandleStore:
-    return HandleStore(
+    settings = StoreSettings(
         handle_ttl_s=100,
         decoder_ttl_s=150,
         max_sessions=1000,
         max_blocks_per_engine=10_000,
         index_block_size=4,
-        **kw,
     )
+    return settings.handle_store(**kw)
 
 
 def put(s: HandleStore, session: str, blocks: int) -> None:

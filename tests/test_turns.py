@@ -25,6 +25,7 @@ import pytest
 from app.api.protocol import APIError
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
+from app.fleet.clients import store_settings
 from app.turn.events import Continuation
 from app.turn.legs import DECODE_ATTEMPTS, continuation_of
 from app.turn.model import Delta, TurnInput, TurnResult
@@ -310,16 +311,8 @@ def make_cfg(model_dir, **overrides) -> AppConfig:
 
 
 def make_store(cfg: AppConfig) -> LocalStore:
-    s = cfg.sessions
-    return LocalStore(
-        HandleStore(
-            handle_ttl_s=s.handle_ttl_s,
-            decoder_ttl_s=cfg.transfer.decoder_kv_blocks_ttl_s,
-            max_sessions=s.max_sessions,
-            max_blocks_per_engine=s.max_pinned_blocks_per_engine,
-            index_block_size=cfg.block_size,
-        )
-    )
+    """One shard's store as the app builds it from `cfg` (`store_settings`)."""
+    return LocalStore(store_settings(cfg).handle_store())
 
 
 class Rig:

@@ -43,7 +43,8 @@ from app.errors import APIError, NotFound, as_api_error, error_body
 from app.fleet.clients import ServeEngineClients, store_settings
 from app.fleet.routing import LiveReplicas
 from app.turn.turns import Turns
-from connector.actor import StoreClient, StoreUnavailable
+from connector.client import StoreClient
+from connector.store_api import StoreUnavailable
 
 logger = logging.getLogger("ray.serve").getChild(__name__)
 api = FastAPI(title="kvturn", description="OpenAI-compatible multi-turn P/D serving")

@@ -20,8 +20,9 @@ from app.api.responses_api import assistant_message, input_items
 from app.errors import APIError, NotFound, ServerError
 from app.turn.events import TurnCount
 from app.turn.turns import Turns
-from connector.actor import StoreClient, StoreUnavailable
+from connector.client import StoreClient
 from connector.response_store import StoredResponse
+from connector.store_api import StoreUnavailable
 
 logger = logging.getLogger("ray.serve").getChild(__name__)
 

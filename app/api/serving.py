@@ -36,7 +36,7 @@ from app.engines.wire import Sampling
 from app.errors import APIError, NotFound, client_error
 from app.turn.model import Delta, TurnInput, TurnResult
 from app.turn.turns import Turns
-from connector.actor import StoreClient
+from connector.client import StoreClient
 
 logger = logging.getLogger("ray.serve").getChild(__name__)
 

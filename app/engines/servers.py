@@ -32,7 +32,7 @@ from app.fleet.autoscaling import KV_IN_USE, QUEUED_TOKENS
 from app.fleet.clients import store_settings
 from app.fleet.drain import Drain, last_of
 from connector import vllm_plugin
-from connector.actor import StoreClient
+from connector.client import StoreClient
 
 logger = logging.getLogger("ray.serve")
 

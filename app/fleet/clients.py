@@ -10,7 +10,7 @@ from app.api.auth import ApiKeys
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, ReplicaQuery
 from app.fleet.routing import LiveReplicas
-from connector.actor import StoreSettings
+from connector.settings import StoreSettings
 
 
 class ServeEngineClients:

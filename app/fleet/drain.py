@@ -29,26 +29,18 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
+from connector import store_api
 from connector.handle import KVHandle, Location, WireError, move_params
-from connector.records import Claim
 
 logger = logging.getLogger("ray.serve")
 
 
-class MoveStore(Protocol):
-    """The handle store's side of a drain (`connector.actor.StoreClient`)."""
-
-    async def moving_out(self, engine_id: str) -> list[str]: ...
-
-    async def begin_move(self, session_id: str, engine_id: str) -> Claim | None: ...
-
-    async def end_move(self, claim: Claim, handle: KVHandle | None, decode_replica: str | None) -> str: ...
-
-    async def drop_engine(self, engine_id: str) -> int: ...
+MoveStore = store_api.MoveStore
+"""The handle store's side of a drain (`connector.store_api.MoveStore`)."""
 
 
 Mover = Callable[[EngineRequest], Awaitable[tuple[EngineChunk | None, str | None]]]

@@ -37,7 +37,8 @@ from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest
 from app.fleet.drain import Rebalance, last_of
 from app.turn.events import TurnCount
-from connector.store import Conversation
+from connector import store_api
+from connector.records import Conversation
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,15 +66,8 @@ REPLICA_CALL_TIMEOUT_S = 10.0
 died mid-call must not stall the releases and syncs behind it)."""
 
 
-class MemoryStore(Protocol):
-    """The store's decode-memory hooks (`connector.store.HandleStore`)."""
-
-    async def set_engine_capacity(self, engine_id: str, total_blocks: int) -> None: ...
-
-    async def take_releases(self) -> list[Any]:
-        """Handles that left unread since the last call: `Release(engine_id, request_id,
-        decode_replica, num_blocks, reason)`."""
-        ...
+MemoryStore = store_api.MemoryStore
+"""The store's decode-memory hooks (`connector.store_api.MemoryStore`)."""
 
 
 class DecodeMemory:

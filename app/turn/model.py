@@ -3,19 +3,19 @@
 `TurnInput` (built by the ingress from a request), the events `Turns.run` yields (`Delta`,
 then one `TurnResult`), and the protocols of what the pipeline calls: `Tokenizer`,
 `EngineClients` (the engine replicas; `app.fleet.clients.ServeEngineClients` in production) and
-`Store` (the handle store; `connector.actor.StoreClient`). Unit tests run the real
+`Store` (the handle store; `connector.client.StoreClient`). Unit tests run the real
 pipeline against fakes of these. No vLLM, no Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
-from app.fleet.memory import DecodeMemoryClients, MemoryStore
-from connector.store import Claim, Conversation, TurnOutcome
+from app.fleet.memory import DecodeMemoryClients
+from connector.store_api import TurnStore
 
 
 class Tokenizer(Protocol):
@@ -41,26 +41,10 @@ class EngineClients(DecodeMemoryClients, Protocol):
         ...
 
 
-class Store(MemoryStore, Protocol):
-    """The handle store (`connector.actor.StoreClient` in production), with the
-    decode-memory hooks of `app.fleet.memory`."""
-
-    async def match(
-        self, prompt_ids: Sequence[int], prompt_text: str | None = None
-    ) -> tuple[str | None, int]: ...
-
-    async def begin_turn(self, session_id: str) -> Claim: ...
-
-    async def end_turn(
-        self,
-        claim: Claim,
-        outcome: TurnOutcome,
-        conversation: Conversation | None,
-        engine_blocks: int | None = None,
-        retain: bool = False,
-    ) -> None: ...
-
-    async def drop_engine(self, engine_id: str) -> int: ...
+class Store(TurnStore, Protocol):
+    """The handle store as a turn calls it (`connector.store_api.TurnStore`, which
+    `connector.client.StoreClient` implements), the decode-memory hooks of
+    `app.fleet.memory` included."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _settings(ttl: float):
-    from connector.actor import StoreSettings
+    from connector.settings import StoreSettings
 
     return StoreSettings(
         handle_ttl_s=ttl,
@@ -46,7 +46,9 @@ def _dead(actor, within_s: float = 30) -> bool:
 def test_store_follows_redeploys_survives_shard_restarts_and_leaves_with_the_app(ray_cluster):
     from ray import serve
 
-    from connector.actor import SessionStore, StoreClient, StoreUnavailable
+    from connector.actor import SessionStore
+    from connector.client import StoreClient
+    from connector.store_api import StoreUnavailable
 
     serve.start(http_options={"host": "127.0.0.1", "port": PD_PORT})  # as the `apps` fixture
     name = "store-lifecycle"
@@ -95,6 +97,6 @@ def test_store_follows_redeploys_survives_shard_restarts_and_leaves_with_the_app
 
 
 def _shard(session_id: str) -> int:
-    from connector.actor import shard_of
+    from connector.store_api import shard_of
 
     return shard_of(session_id, 2)
