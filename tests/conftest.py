@@ -38,16 +38,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def config_with(tree: dict, overrides: dict):
-    """`AppConfig` of `tree` with dotted-key `overrides` (`"decode.num_replicas": 1`) set."""
+    """`AppConfig` of `tree` with dotted-key `overrides` (`"decode.num_replicas": 1`) set over
+    it, built as the app builds it from `serve run` arguments (`AppConfig.from_args`)."""
     from app.config import AppConfig
 
-    for key, value in overrides.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return AppConfig.model_validate(tree)
+    return AppConfig.from_args({**tree, **overrides})
 
 
 def pd_config(**overrides):

@@ -248,3 +248,12 @@ def test_versions_change_with_settings_and_code_but_not_with_counts(tmp_path, mo
     assert all(changed[name] != first[name] for name in first)  # every constructor gets the new config
     monkeypatch.setattr(builder, "code_fingerprint", lambda: "another release")
     assert all(v != first[k] for k, v in versions(base).items())
+
+
+def test_from_args_sets_dotted_keys_over_a_tree_without_changing_it(model_dir):
+    """A nested tree with dotted keys over it (as tests/conftest.py's `config_with` builds
+    configs): the keys land in the tree's sections, and the caller's mappings stay as given."""
+    decode = {"num_replicas": 2, "num_gpus": 1}
+    cfg = AppConfig.from_args({"model": model_dir, "decode": decode, "decode.num_replicas": 3})
+    assert (cfg.decode.num_replicas, cfg.decode.num_gpus) == (3, 1.0)
+    assert decode == {"num_replicas": 2, "num_gpus": 1}

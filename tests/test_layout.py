@@ -43,4 +43,6 @@ def test_layers_point_one_way():
 
 def test_the_app_top_level_holds_packages_and_entry_modules():
     modules = sorted(p.name for p in (ROOT / "app").glob("*.py"))
-    assert modules == ["__init__.py", "builder.py", "config.py", "errors.py"], modules
+    assert modules == ["__init__.py", "builder.py", "errors.py"], modules
+    packages = sorted(p.parent.name for p in (ROOT / "app").glob("*/__init__.py"))
+    assert packages == ["api", "config", "engines", "fleet", "turn"], packages
