@@ -25,7 +25,7 @@ from app.fleet.autoscaling import serve_autoscaling_config
 from app.fleet.clients import store_settings
 from connector.actor import SessionStore
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 _ROUTER = "app.fleet.routing.SessionAffinityRouter"
 
 

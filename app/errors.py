@@ -3,8 +3,9 @@
 `APIError` carries a status, OpenAI's `type` / `code` / `param`, extension `details` (sent
 as the body's `kvturn` field) and HTTP `headers` (e.g. `Retry-After`). The family below
 names the kinds the app raises; every route and every handle method goes through
-`error_body` (the ingress's `_error_response`, `Ingress._validate`, the stream's error
-event). Imports no vLLM at module level: the turn pipeline raises these too.
+`error_body` (an HTTP route's error response, `as_api_error` for a Serve handle caller,
+a stream's error event in `app.api.shaping.sse`). Imports no vLLM at module level: the
+turn pipeline raises these too.
 
 What each other exception becomes:
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 
 class APIError(Exception):

@@ -24,11 +24,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import RESULTS
 from bench.apis import Api
 from bench.profiles import DEFAULT_MODES, MODES, PROFILES, cluster_cpus
 from bench.profiles import profile as get_profile
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+DEFAULT_OUT = RESULTS / "latest.json"
 
 PROFILE_HELP = """\
 profiles:
@@ -86,7 +87,7 @@ APIs (--api; one per run, every session, warm-up included, on the same workload)
              server finds the conversation by its prompt). The API has no kvturn extension:
              no per-request reuse facts or app timings.
 The results name the API in a top-level "api" field and in each mode's; run the benchmark
-once per API (e.g. --out bench/results/responses.json) to compare reuse and TTFT.
+once per API (e.g. --out results/responses.json) to compare reuse and TTFT.
 """
 
 
@@ -126,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=DEFAULT_OUT,
-        help="results JSON; the PNG goes next to it (default: bench/results/latest.json)",
+        help="results JSON; the PNG goes next to it (default: results/latest.json)",
     )
     p.add_argument(
         "--port", type=int, default=8300, help="Serve HTTP port of the local cluster (default: %(default)s)"
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from bench import report, runner
+    from bench.deploy import LocalCluster
     from bench.workload import TokenCounter, WorkloadSpec, generate
 
     started = time.perf_counter()
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_description(modes[0])
         runs.append(runner.run_url(args.url, modes[0], workload, warmup, on_turn, log, api=args.api))
     else:
-        with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
+        with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
             for mode in modes:
                 bar.set_description(mode)
                 runs.append(

@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import time
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench.client import TurnRecord
+from bench.record import TurnRecord
+from bench.sse import CompletionStream
 
 
 class Api(str, Enum):
@@ -123,33 +123,32 @@ class ChatDialog(Dialog):
 
 
 class ChatReader(Reader):
+    """Chat chunks, read by the shared `bench.sse.CompletionStream`."""
+
     end = "[DONE]"
 
+    def __init__(self, record: TurnRecord):
+        super().__init__(record)
+        self.stream = CompletionStream()
+        self.texts = self.stream.texts
+        self.stamps = self.stream.stamps
+
     def feed(self, data: str) -> bool:
-        if data == "[DONE]":
+        stream = self.stream
+        if stream.feed(data):
             return True
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise TurnFailed(f"in-stream error: {chunk['error']}")
-        now = time.perf_counter()
+        if stream.error is not None:
+            raise TurnFailed(f"in-stream error: {stream.error}")
         record = self.record
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            # The opening chunk only names the role; every later delta carries the
-            # output of a decode step: its token ids (`return_token_ids`), and its
-            # text, which is empty for special tokens.
-            if choice.get("token_ids") or ("content" in delta and "role" not in delta):
-                self.stamps.append(now)
-                self.texts.append(delta.get("content") or "")
-            if choice.get("finish_reason"):
-                record.finish_reason = choice["finish_reason"]
-        if chunk.get("usage"):
-            usage = chunk["usage"]
+        if stream.finish_reason:
+            record.finish_reason = stream.finish_reason
+        if stream.usage:
+            usage = stream.usage
             record.prompt_tokens = usage.get("prompt_tokens")
             record.completion_tokens = usage.get("completion_tokens")
             record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if "kvturn" in chunk:
-            self._kvturn(chunk["kvturn"])
+        if stream.kvturn is not None:
+            self._kvturn(stream.kvturn)
         return False
 
 

@@ -3,7 +3,8 @@
 
 Sessions run concurrently (at most `concurrency` at once), the turns of a session one
 after another. Every turn is a streaming request; the client times it and reads usage and
-the `kvturn` reuse facts from the end of the stream.
+the `kvturn` reuse facts from the end of the stream (`bench.sse`), into a
+`bench.record.TurnRecord`.
 """
 
 from __future__ import annotations
@@ -12,45 +13,13 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
 
 import httpx
 
 from bench.apis import Api, Dialog, TurnFailed, dialog
+from bench.record import TurnRecord
+from bench.sse import apayloads
 from bench.workload import SessionPlan, Workload
-
-
-@dataclass
-class TurnRecord:
-    """One measured request."""
-
-    session: int
-    turn: int  # 1-based
-    kind: str
-    ok: bool = False
-    error: str | None = None
-    start_s: float = 0.0
-    """Seconds since the mode's measured phase began."""
-    ttft_s: float | None = None
-    ttft_text_s: float | None = None
-    """To the first decode step that carries text (comparable across APIs)."""
-    e2e_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    """Gaps between consecutive content chunks (one token per chunk in this app)."""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    reused_from_decode: int | None = None
-    miss_reason: str | None = None
-    decode_replica: str | None = None
-    spliced: bool | None = None
-    timings: dict | None = None
-    """The app's breakdown of the turn (kvturn.timings): session_s, prefill_s, first_token_s."""
-    finish_reason: str | None = None
-    answer_chars: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 async def send_turn(
@@ -72,10 +41,8 @@ async def send_turn(
         if r.status_code != 200:
             raise TurnFailed(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
         done = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if reader.feed(line[len("data: ") :]):
+        async for data in apayloads(r.aiter_lines()):
+            if reader.feed(data):
                 done = True
                 break
         if not done:

@@ -22,9 +22,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.client import TurnRecord, run_workload, served_model, wait_healthy
-from bench.profiles import Profile
-from bench.runner import replica_ids
+from bench.client import kv_stats, run_workload, served_model
+from bench.deploy import LocalCluster, deployed, replica_ids
+from bench.profiles import Profile, cluster_cpus
+from bench.record import TurnRecord
 from bench.stats import mean, ratio
 from bench.workload import Workload
 
@@ -62,9 +63,8 @@ def _wait_decode_replicas(app: str, count: int, within_s: float = 300.0) -> None
 
 
 def _serving(url: str, app: str, decode_replicas: int, warmup: Workload | None) -> tuple[str, set[str]]:
-    """Once the app answers with its decode replicas running: the model it serves and
+    """Once the app (answering) has its decode replicas running: the model it serves and
     those replicas' ids, after the warm-up sessions (if any) ran."""
-    asyncio.run(wait_healthy(url, 300))
     _wait_decode_replicas(app, decode_replicas)
     replicas = _decode_replicas(app)
     model = asyncio.run(served_model(url))
@@ -74,7 +74,7 @@ def _serving(url: str, app: str, decode_replicas: int, warmup: Workload | None) 
 
 
 def run_one(
-    cluster,
+    cluster: LocalCluster,
     profile: Profile,
     model_path: str,
     workload: Workload,
@@ -89,9 +89,9 @@ def run_one(
     label = "migrate" if migrate else "no-migrate"
     app = f"elastic-{label}"
     log(f"[{label}] deploying 1 prefill + 2 decode replicas")
-    serve.run(build(app_config(profile, model_path, app, migrate, 2)), name=app, route_prefix="/")
-    url = cluster.url
-    try:
+    cfg = app_config(profile, model_path, app, migrate, 2)
+    with deployed(cfg, cluster=cluster, name=app, health_timeout_s=300.0) as dep:
+        url = dep.url
         model, before = _serving(url, app, 2, warmup)
         arrived = 0
         released = asyncio.Event()
@@ -122,8 +122,6 @@ def run_one(
             run_workload(url, model, workload, session_prefix=f"el-{uuid.uuid4().hex[:6]}", gate=gate)
         )
         removed = before - _decode_replicas(app)
-    finally:
-        serve.delete(app)
     return {"label": label, "migrate": migrate, "wall_s": wall, "downscale_s": downscale.get("seconds")} | (
         summarize(records, removed)
     )
@@ -204,14 +202,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main(args, prof: Profile, model_path: str, workload: Workload, warmup: Workload | None, log) -> int:
-    from bench import runner
-    from bench.profiles import cluster_cpus
-
     if workload.spec.turns <= DOWN_AT or workload.spec.concurrency < workload.spec.sessions:
         raise SystemExit(f"--profile elastic needs more than {DOWN_AT} turns and every session in flight")
     started = time.perf_counter()
     runs = []
-    with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
+    with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         for migrate in (True, False):
             runs.append(run_one(cluster, prof, model_path, workload, warmup, migrate, log))
     results = {
@@ -264,12 +259,6 @@ def autoscale_main(
     until Serve has removed a replica (its conversations move to the survivor); then it
     runs its last turns."""
     import httpx
-    from ray import serve
-
-    from app.builder import build
-    from bench import runner
-    from bench.client import kv_stats
-    from bench.profiles import cluster_cpus
 
     spec = workload.spec
     if spec.turns < IDLE_AT + 1 or spec.concurrency < spec.sessions or spec.sessions < 2:
@@ -288,63 +277,62 @@ def autoscale_main(
     replica_of: dict[int, str | None] = {}  # session -> the decode replica of its last turn
     kept: set[int] = set()
     first: set[str] = set()
-    with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
-        url = cluster.url
-        serve.run(build(autoscale_config(prof, model_path, app)), name=app, route_prefix="/")
-        try:
-            model, first = _serving(url, app, 1, warmup)
-            mark("deployed: 1 decode replica (autoscaling 1-2 on KV in use, target 0.15)")
-            arrived = {SCALED_AT: 0, IDLE_AT: 0}
-            released = {SCALED_AT: asyncio.Event(), IDLE_AT: asyncio.Event()}
+    cfg = autoscale_config(prof, model_path, app)
+    with deployed(
+        cfg, port=args.port, env=prof.env, num_cpus=cluster_cpus(), name=app, health_timeout_s=300.0
+    ) as dep:
+        url = dep.url
+        model, first = _serving(url, app, 1, warmup)
+        mark("deployed: 1 decode replica (autoscaling 1-2 on KV in use, target 0.15)")
+        arrived = {SCALED_AT: 0, IDLE_AT: 0}
+        released = {SCALED_AT: asyncio.Event(), IDLE_AT: asyncio.Event()}
 
-            def scale_up_and_rebalance() -> None:
-                _wait_decode_replicas(app, 2, within_s=600)
-                mark("2 decode replicas running")
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    if ((asyncio.run(kv_stats(url)) or {}).get("turns") or {}).get("rebalance_moved"):
-                        mark("the ingress rebalanced conversations onto the new replica")
-                        return
-                    time.sleep(0.5)
+        def scale_up_and_rebalance() -> None:
+            _wait_decode_replicas(app, 2, within_s=600)
+            mark("2 decode replicas running")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if ((asyncio.run(kv_stats(url)) or {}).get("turns") or {}).get("rebalance_moved"):
+                    mark("the ingress rebalanced conversations onto the new replica")
+                    return
+                time.sleep(0.5)
 
-            def end_others_and_scale_down() -> None:
-                on_new = [s for s, r in replica_of.items() if r is not None and r not in first]
-                kept.add(on_new[0] if on_new else min(replica_of))
-                with httpx.Client(timeout=30) as client:
-                    for s in replica_of:
-                        if s not in kept:
-                            client.delete(f"{url}/v1/sessions/{prefix}-s{s}").raise_for_status()
-                where = "the new replica" if on_new else "the first replica"
-                mark(f"ended every session but {sorted(kept)} (on {where})")
-                _wait_decode_replicas(app, 1, within_s=600)
+        def end_others_and_scale_down() -> None:
+            on_new = [s for s, r in replica_of.items() if r is not None and r not in first]
+            kept.add(on_new[0] if on_new else min(replica_of))
+            with httpx.Client(timeout=30) as client:
+                for s in replica_of:
+                    if s not in kept:
+                        client.delete(f"{url}/v1/sessions/{prefix}-s{s}").raise_for_status()
+            where = "the new replica" if on_new else "the first replica"
+            mark(f"ended every session but {sorted(kept)} (on {where})")
+            _wait_decode_replicas(app, 1, within_s=600)
 
-            async def gate(session: int, turn: int) -> bool:
-                if turn not in arrived:
-                    return True
-                arrived[turn] += 1
-                if arrived[turn] == len(workload.sessions):
-                    if turn == SCALED_AT:
-                        mark(f"every session paused after turn {SCALED_AT - 1}: waiting for a second replica")
-                        await asyncio.to_thread(scale_up_and_rebalance)
-                    else:
-                        await asyncio.to_thread(end_others_and_scale_down)
-                        mark("1 decode replica running")
-                    released[turn].set()
-                await released[turn].wait()
-                return turn != IDLE_AT or session in kept
+        async def gate(session: int, turn: int) -> bool:
+            if turn not in arrived:
+                return True
+            arrived[turn] += 1
+            if arrived[turn] == len(workload.sessions):
+                if turn == SCALED_AT:
+                    mark(f"every session paused after turn {SCALED_AT - 1}: waiting for a second replica")
+                    await asyncio.to_thread(scale_up_and_rebalance)
+                else:
+                    await asyncio.to_thread(end_others_and_scale_down)
+                    mark("1 decode replica running")
+                released[turn].set()
+            await released[turn].wait()
+            return turn != IDLE_AT or session in kept
 
-            def on_turn(record: TurnRecord) -> None:
-                if record.ok:
-                    replica_of[record.session] = record.decode_replica
+        def on_turn(record: TurnRecord) -> None:
+            if record.ok:
+                replica_of[record.session] = record.decode_replica
 
-            before = asyncio.run(kv_stats(url))
-            records, wall = asyncio.run(
-                run_workload(url, model, workload, session_prefix=prefix, gate=gate, on_turn=on_turn)
-            )
-            after = asyncio.run(kv_stats(url))
-            last = _decode_replicas(app)
-        finally:
-            serve.delete(app)
+        before = asyncio.run(kv_stats(url))
+        records, wall = asyncio.run(
+            run_workload(url, model, workload, session_prefix=prefix, gate=gate, on_turn=on_turn)
+        )
+        after = asyncio.run(kv_stats(url))
+        last = _decode_replicas(app)
     store = [s.get("counts", {}) for s in ((after or {}).get("store") or {}).get("shards", [])]
     turns = ((after or {}).get("turns") or {}) if after else {}
     kept_turns = [r for r in records if r.session in kept and r.turn >= IDLE_AT - 1]

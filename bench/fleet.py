@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
+from bench.client import kv_stats, run_workload, served_model
+from bench.deploy import LocalCluster, deployed
 from bench.profiles import Profile
+from bench.record import TurnRecord
 from bench.stats import nearest_rank, ratio
 from bench.traces import to_workload
 from bench.workload import TokenCounter, Workload
@@ -119,25 +121,18 @@ def _long_tool_turns(workload: Workload) -> set[tuple[int, int]]:
 
 
 def run_mode(
-    cluster, prof: Profile, mode: str, model_path: str, counter: TokenCounter, slo: SLO, log
+    cluster: LocalCluster, prof: Profile, mode: str, model_path: str, counter: TokenCounter, slo: SLO, log
 ) -> dict:
-    from ray import serve
-
-    from app.builder import build
     from bench.runner import engine_counters
 
     assert prof.trace is not None
     app = f"fleet-{mode}"
     cfg = prof.app_config(mode, model_path, app)
     log(f"[{mode}] deploying")
-    t = time.perf_counter()
-    serve.run(build(cfg), name=app, route_prefix="/")
-    url = cluster.url
     levels: list[dict[str, Any]] = []
     records_by_level: dict[int, list[dict]] = {}
-    try:
-        asyncio.run(wait_healthy(url, 300))
-        deploy_s = time.perf_counter() - t
+    with deployed(cfg, cluster=cluster, name=app, health_timeout_s=300.0) as dep:
+        url, deploy_s = dep.url, dep.deploy_s
         model = asyncio.run(served_model(url))
         warm = to_workload(
             replace(prof.trace, sessions=1, turns_median=3, turns_max=3).generate(), counter, tag="warm"
@@ -171,8 +166,6 @@ def run_mode(
             if not level["meets_slo"]:
                 break
         kv = asyncio.run(kv_stats(url))
-    finally:
-        serve.delete(app)
     return {
         "mode": mode,
         "deploy_s": round(deploy_s, 1),
@@ -296,14 +289,13 @@ def plot(results: dict, path: Path) -> Path | None:
 
 
 def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
-    from bench import runner
     from bench.profiles import cluster_cpus
 
     slo = SLO()
     counter = TokenCounter(model_path)
     started = time.perf_counter()
     runs: dict[str, dict] = {}
-    with runner.LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
+    with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         for mode in modes:
             runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log)
     results = {

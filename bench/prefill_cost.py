@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from bench import RESULTS
+
 VARIANTS = ("plain", "nixl", "plain+decode", "nixl+decode")
 RESULT = "prefill-cost: "
 
@@ -57,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="without the app's vLLM plugin settings (NIXL's progress thread spins)",
     )
-    p.add_argument("--out", default="bench/results/prefill_cost.json")
+    p.add_argument("--out", default=str(RESULTS / "prefill_cost.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -10,7 +10,6 @@ engine processes are gone. Modes run one at a time, so they never share the mach
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.apis import Api
-from bench.client import TurnRecord, kv_stats, run_workload, served_model, wait_healthy
+from bench.client import kv_stats, run_workload, served_model, wait_healthy
+from bench.deploy import LocalCluster, deployed, replica_ids
 from bench.profiles import Profile
+from bench.record import TurnRecord
 from bench.workload import Workload
 
-ENGINE_PROCESS = "VLLM::EngineCore"
 COUNTERS = (
     "prompt_tokens_total",
     "prompt_tokens_computed",
@@ -56,25 +56,6 @@ class ModeRun:
 
 
 # -- engine counters ---------------------------------------------------------------------
-
-
-def replica_ids(app: str, deployment: str) -> list[str]:
-    """Serve replica ids of a deployment, from the names of its live actors."""
-    import ray
-
-    try:
-        actors = ray.util.list_named_actors(all_namespaces=True)
-    except Exception:
-        return []
-    ids = []
-    for actor in actors:
-        name = actor.get("name") if isinstance(actor, dict) else actor
-        # SERVE_REPLICA::<app>#<deployment>#<replica id>
-        if name and name.startswith("SERVE_REPLICA::"):
-            parts = name.removeprefix("SERVE_REPLICA::").split("#")
-            if len(parts) == 3 and parts[0] == app and parts[1] == deployment:
-                ids.append(parts[2])
-    return ids
 
 
 def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
@@ -116,32 +97,6 @@ def _turn_counts_delta(after: dict | None, before: dict | None) -> dict | None:
         return None
     prev = (before or {}).get("turns", {})
     return {k: v - prev.get(k, 0) for k, v in after["turns"].items() if v - prev.get(k, 0)}
-
-
-# -- processes ---------------------------------------------------------------------------
-
-
-def engine_pids() -> set[int]:
-    import psutil
-
-    pids = set()
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            names = [p.info.get("name") or ""] + list(p.info.get("cmdline") or [])
-            if any(ENGINE_PROCESS in n for n in names):
-                pids.add(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return pids
-
-
-def wait_engines_gone(ours: set[int], timeout_s: float = 90.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not (ours & engine_pids()):
-            return True
-        time.sleep(1.0)
-    return False
 
 
 # -- runs --------------------------------------------------------------------------------
@@ -188,46 +143,6 @@ def run_url(
     )
 
 
-class LocalCluster:
-    """A Ray cluster of this process's own (never an existing one) with Serve's HTTP
-    proxy on 127.0.0.1:`port`."""
-
-    def __init__(self, port: int, env: dict[str, str], num_cpus: int = 8):
-        self.port = port
-        self.env = env
-        self.num_cpus = num_cpus
-
-    def __enter__(self) -> LocalCluster:
-        import ray
-        from ray import serve
-
-        # Read by the Ray workers this process starts (engine replicas inherit them).
-        for key, value in self.env.items():
-            os.environ[key] = value
-        ray.init(
-            address="local",
-            num_cpus=self.num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace="kvturn-bench",
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        import ray
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-
 def run_mode(
     cluster: LocalCluster,
     profile: Profile,
@@ -239,23 +154,13 @@ def run_mode(
     log: Callable[[str], None],
     api: Api = Api.CHAT,
 ) -> ModeRun:
-    from ray import serve
-
-    from app.builder import build
-
     app_name = f"bench-{mode}"
     cfg = profile.app_config(mode, model_path, app_name)
-    foreign = engine_pids()
     shape = "P/D" if cfg.disaggregated else f"{cfg.decode.num_replicas} engine(s), no P/D"
     log(f"[{mode}] deploying {cfg.model_name} ({shape})")
-    t = time.perf_counter()
-    serve.run(build(cfg), name=app_name, route_prefix="/")
-    url = cluster.url
-    asyncio.run(wait_healthy(url, 120))
-    deploy_s = time.perf_counter() - t
-    ours = engine_pids() - foreign
-    log(f"[{mode}] running after {deploy_s:.0f} s ({len(ours)} engine processes)")
-    try:
+    with deployed(cfg, cluster=cluster, name=app_name, engines_gone_s=90.0, log=log, label=mode) as dep:
+        url, deploy_s = dep.url, dep.deploy_s
+        log(f"[{mode}] running after {deploy_s:.0f} s ({len(dep.engines)} engine processes)")
         model = asyncio.run(served_model(url))
         warmup_s = None
         if warmup is not None:
@@ -265,16 +170,12 @@ def run_mode(
         time.sleep(1.0)  # engine stats are recorded after each step's outputs
         roles: tuple[tuple[str, str], ...] = (("prefill", "PrefillServer"),) if cfg.disaggregated else ()
         roles += (("decode", "DecodeServer"),)
-        before = {role: engine_counters(app_name, dep) for role, dep in roles}
+        before = {role: engine_counters(app_name, d) for role, d in roles}
         kv_before = asyncio.run(kv_stats(url))
         records, wall = _measure(url, model, workload, mode, on_turn, api)
         time.sleep(1.0)
-        after = {role: engine_counters(app_name, dep) for role, dep in roles}
+        after = {role: engine_counters(app_name, d) for role, d in roles}
         kv_after = asyncio.run(kv_stats(url))
-    finally:
-        serve.delete(app_name)
-        if not wait_engines_gone(ours):
-            log(f"[{mode}] warning: engine processes {sorted(ours & engine_pids())} still alive after delete")
     engines = {role: d for role in after if (d := _delta(after[role], before[role])) is not None}
     return ModeRun(
         mode=mode,

@@ -19,7 +19,7 @@ A stream that fails after its first chunk ends with an error event that names th
 replica it ran on (`kvturn.decode_replica`); the report counts those on the killed decode
 replica apart from any other (which should be none).
 
-Report (printed as markdown, written as JSON to `bench/results/`): requests, errors by
+Report (printed as markdown, written as JSON to `results/`): requests, errors by
 kind, reuse (cached / prompt tokens of later turns, and the share of later turns that
 reused), handles left claimed after the load, pinned blocks on each decode engine after
 the decode TTL (the engine's own block pool: `DecodeServer.kv_blocks`), and vLLM engine
@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -42,10 +41,12 @@ from typing import Any
 
 import httpx
 
+from bench import RESULTS
 from bench.client import wait_healthy
-from bench.runner import engine_pids, replica_ids
+from bench.deploy import deployed, engine_pids, replica_ids
+from bench.faults import fault_injector, store_shards
+from bench.sse import CompletionStream, apayloads
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEM = "You are a build assistant. Call tools, read their results, answer briefly. " * 4
 TOOL = 'Tool result: {"status": "ok", "failed": [], "log": "' + "compiled module; " * 12 + '"}'
 
@@ -132,34 +133,23 @@ async def one_turn(
             rec.miss_reason = (data.get("kvturn") or {}).get("miss_reason")
         else:
             body.update(stream=True, stream_options={"include_usage": True})
-            texts, usage, done = [], None, False
+            stream = CompletionStream()
             async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     rec.error = f"http_{r.status_code}"
                     return None, session_id
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        continue
-                    chunk = json.loads(line.removeprefix("data: "))
-                    if "error" in chunk:
-                        rec.error = "stream_error:" + str(
-                            chunk["error"].get("code") or chunk["error"].get("type")
-                        )
-                        rec.failed_on = (chunk.get("kvturn") or {}).get("decode_replica")
-                    usage = chunk.get("usage") or usage
-                    if "kvturn" in chunk:
-                        rec.miss_reason = chunk["kvturn"].get("miss_reason")
-                    for choice in chunk.get("choices", []):
-                        texts.append(choice.get("delta", {}).get("content") or "")
-            if rec.error:
+                async for data in apayloads(r.aiter_lines()):
+                    stream.feed(data)
+            if stream.kvturn is not None:
+                rec.miss_reason = stream.kvturn.get("miss_reason")
+            if stream.error is not None:
+                rec.error = "stream_error:" + str(stream.error.get("code") or stream.error.get("type"))
+                rec.failed_on = stream.error_replica
                 return None, session_id
-            if not done or usage is None:
+            if not stream.done or stream.usage is None:
                 rec.error = "stream_cut"
                 return None, session_id
-            text = "".join(texts)
+            usage, text = stream.usage, stream.text
     except httpx.HTTPError as exc:
         rec.error = "transport:" + type(exc).__name__
         return None, session_id
@@ -187,76 +177,6 @@ async def run_session(i: int, args, client, model: str, deadline: float, report:
         done[0] += 1
         if text is not None:
             messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": TOOL}]
-
-
-# -- faults -----------------------------------------------------------------------------
-
-
-def kill_replica(app: str, deployment: str, rng: random.Random) -> dict:
-    import ray
-
-    ids = replica_ids(app, deployment)
-    if not ids:
-        return {"target": deployment, "killed": None, "why": "no replica found"}
-    rid = rng.choice(sorted(ids))
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{rid}", namespace="serve"), no_restart=True)
-    return {"target": deployment, "killed": rid}
-
-
-def store_shards(app: str) -> list:
-    """Actor handles of the app's handle-store shards: from its `SessionStore` deployment,
-    else named actors whose name has 'store' and the app's name (older layouts)."""
-    import ray
-    from ray import serve
-
-    try:
-        _, shards = serve.get_deployment_handle("SessionStore", app).shards.remote().result(timeout_s=30)
-        return list(shards)
-    except Exception:
-        pass
-    found = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name, ns = (actor.get("name"), actor.get("namespace")) if isinstance(actor, dict) else (actor, None)
-        if name and "store" in name and app in name and not name.startswith("SERVE_"):
-            found.append(ray.get_actor(name, namespace=ns))
-    return found
-
-
-def kill_store_shard(app: str, rng: random.Random) -> dict:
-    import ray
-
-    shards = store_shards(app)
-    if not shards:
-        return {"target": "store", "killed": None, "why": "no store shard found"}
-    index = rng.randrange(len(shards))
-    ray.kill(shards[index], no_restart=False)  # Ray restarts it, empty
-    return {"target": "store", "killed": f"shard {index} of {len(shards)}"}
-
-
-async def fault_injector(args, report: Report, done: list, total: int, can_kill: bool) -> None:
-    rng = random.Random(args.seed)
-    plan = sorted((rng.uniform(0.1, 0.7), target) for target in ("DecodeServer", "PrefillServer", "store"))
-    if args.kills_together:
-        at = next(f for f, target in plan if target == "DecodeServer")
-        plan = sorted((at if target == "PrefillServer" else f, target) for f, target in plan)
-    for fraction, target in plan:
-        while done[0] < fraction * total:
-            await asyncio.sleep(0.2)
-        event = {"at_turns_answered": done[0], "at_s": round(time.monotonic() - report.config["t0"], 1)}
-        if not can_kill:
-            event.update(target=target, killed=None, why="no Ray cluster reachable")
-        else:
-            try:
-                # Off the event loop: Serve refuses blocking handle calls inside one.
-                if target == "store":
-                    result = await asyncio.to_thread(kill_store_shard, args.app, rng)
-                else:
-                    result = await asyncio.to_thread(kill_replica, args.app, target, rng)
-            except Exception as exc:
-                result = {"target": target, "killed": None, "why": repr(exc)}
-            event.update(result)
-        report.kills.append(event)
-        print(f"[soak] fault: {event}", flush=True)
 
 
 # -- what was left ----------------------------------------------------------------------
@@ -372,7 +292,9 @@ async def drive(args, report: Report, can_kill: bool) -> None:
         report.config["t0"] = time.monotonic()
         deadline = report.config["t0"] + args.duration_s
         total = args.sessions * args.turns
-        injector = asyncio.create_task(fault_injector(args, report, done, total, can_kill))
+        injector = asyncio.create_task(
+            fault_injector(args, report.kills, report.config["t0"], done, total, can_kill)
+        )
         await asyncio.gather(
             *(run_session(i, args, client, model, deadline, report, done) for i in range(args.sessions))
         )
@@ -382,6 +304,26 @@ async def drive(args, report: Report, can_kill: bool) -> None:
             report.turn_counts = stats.get("turns")
         except Exception:
             pass
+
+
+def load_and_inspect(args, report: Report, can_kill: bool) -> None:
+    """Run the load with its faults, then (with a Ray cluster) read what was left: the
+    store after the load, pinned blocks and pin budgets after the decode TTL, engine
+    processes while the app runs."""
+    asyncio.run(drive(args, report, can_kill))
+    print(f"[soak] load done: {len(report.turns)} requests", flush=True)
+    if not can_kill:
+        return
+    time.sleep(3)  # closing store updates of the last turns
+    report.store_after_load = store_state(args.app)
+    shards = (report.store_after_load or {}).get("shards", [])
+    report.claimed_handles_after_load = sum(int(s.get("claimed_handles") or 0) for s in shards)
+    wait = args.decode_ttl_s + 15
+    print(f"[soak] waiting {wait:.0f} s (decode TTL) before reading pinned blocks", flush=True)
+    time.sleep(wait)
+    report.pinned_blocks_after_ttl = decode_blocks(args.app)
+    report.budgets = pin_budgets(args.app, report.pinned_blocks_after_ttl)
+    report.engine_processes_while_running = engine_processes(args.app)
 
 
 def main(argv=None) -> int:
@@ -413,58 +355,33 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import ray
-    from ray import serve
 
     started = time.monotonic()
     report = Report(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-    own = args.url is None
-    if own:
-        from app.builder import build
-
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        ray.init(
-            address="local",
+    if args.url is None:  # an own Ray cluster and app
+        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+        with deployed(
+            soak_config(args),
+            port=args.port,
+            env=env,
             num_cpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            _metrics_export_port=args.metrics_port,
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        args.url = f"http://127.0.0.1:{args.port}"
-        serve.run(build(soak_config(args)), name=args.app, route_prefix="/")
-        print(f"[soak] app running after {time.monotonic() - started:.0f} s", flush=True)
-        can_kill = True
+            metrics_port=args.metrics_port,
+            namespace=None,
+            name=args.app,
+            health_timeout_s=900.0,
+            engines_gone_s=60.0,
+        ) as dep:
+            args.url = dep.url
+            print(f"[soak] app running after {time.monotonic() - started:.0f} s", flush=True)
+            load_and_inspect(args, report, can_kill=True)
+        report.engine_processes_after_shutdown = len(dep.left_over or ())
     else:
         try:
             ray.init(address="auto", log_to_driver=False)
             can_kill = True
         except Exception:
             can_kill = False
-    try:
-        asyncio.run(drive(args, report, can_kill))
-        print(f"[soak] load done: {len(report.turns)} requests", flush=True)
-        if can_kill:
-            time.sleep(3)  # closing store updates of the last turns
-            report.store_after_load = store_state(args.app)
-            shards = (report.store_after_load or {}).get("shards", [])
-            report.claimed_handles_after_load = sum(int(s.get("claimed_handles") or 0) for s in shards)
-            wait = args.decode_ttl_s + 15
-            print(f"[soak] waiting {wait:.0f} s (decode TTL) before reading pinned blocks", flush=True)
-            time.sleep(wait)
-            report.pinned_blocks_after_ttl = decode_blocks(args.app)
-            report.budgets = pin_budgets(args.app, report.pinned_blocks_after_ttl)
-            report.engine_processes_while_running = engine_processes(args.app)
-    finally:
-        if own:
-            ours = engine_pids()
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and ours & engine_pids():
-                time.sleep(1)
-            report.engine_processes_after_shutdown = len(ours & engine_pids())
+        load_and_inspect(args, report, can_kill)
     report.wall_s = time.monotonic() - started
     summary = report.summary()
     out = args.out or RESULTS / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"

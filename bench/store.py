@@ -38,18 +38,14 @@ import random
 import statistics
 import sys
 import time
-from array import array
 from datetime import UTC, datetime
 from pathlib import Path
 
-from connector.handle import KVHandle, Location
-from connector.store import Conversation, HandleStore, TurnOutcome
+from bench import RESULTS
+from bench.store_fleet import BLOCK, NEW_MESSAGE, NEXT_PROMPT, Fleet
+from connector.store import HandleStore, TurnOutcome
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "store.json"
-BLOCK = 32
-ANSWER = 128
-NEXT_PROMPT = 64
-NEW_MESSAGE = 512
+DEFAULT_OUT = RESULTS / "store.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,9 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="concurrent asyncio callers of the actor (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: bench/results/store.json)"
-    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: results/store.json)")
     args = p.parse_args(argv)
     if args.quick:
         if args.sessions == p.get_default("sessions"):
@@ -115,84 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.actor_seconds = min(args.actor_seconds, 5.0)
     args.sizes = [int(s) for s in args.sessions.split(",") if s.strip()]
     return args
-
-
-# -- a fleet of conversations, built cheaply ------------------------------------------------
-
-
-class Fleet:
-    """Token ids and texts of `n` conversations sharing one system prompt. Arrays are
-    concatenated from shared pieces (a memcpy each), so 100k x 8k tokens builds fast."""
-
-    def __init__(self, args: argparse.Namespace):
-        rng = random.Random(args.seed)
-        self.args = args
-        self.system = array("i", (rng.randrange(1000, 100_000) for _ in range(args.system)))
-        self.body = array("i", (rng.randrange(1000, 100_000) for _ in range(args.tokens)))
-        cpt = args.chars_per_token
-        self.system_text = (
-            "".join(chr(97 + rng.randrange(26)) for _ in range(args.system * cpt)) if cpt else None
-        )
-        self.body_text = (
-            "".join(chr(97 + rng.randrange(26)) for _ in range(args.tokens * cpt)) if cpt else None
-        )
-        self._serial = 0
-
-    def unique(self, n: int, tag: int) -> array:
-        """`n` ids that start with a block no other tag shares."""
-        return (array("i", [1_000_000_000 + tag]) + self.body[: max(0, n - 1)])[:n]
-
-    def text(self, n_tokens: int, tag: int) -> str | None:
-        if self.body_text is None:
-            return None
-        head = f"<{tag:010d}>"
-        return (head + self.body_text[: n_tokens * self.args.chars_per_token])[
-            : n_tokens * self.args.chars_per_token
-        ]
-
-    def handle(self, engine: int, num_tokens: int) -> KVHandle:
-        self._serial += 1
-        blocks = -(-num_tokens // BLOCK)
-        return KVHandle(
-            Location.DECODE,
-            f"engine-{engine}",
-            f"req-{self._serial}",
-            (tuple(range(blocks)),),
-            "10.0.0.2",
-            5601,
-            num_tokens - 1,
-        )
-
-    def conversation(self, i: int) -> Conversation:
-        a = self.args
-        ids = self.system + self.unique(a.tokens - a.system, i)
-        body = self.text(a.tokens - a.system, i)
-        text = self.system_text + body if self.system_text is not None and body is not None else None
-        return Conversation(
-            f"s{i}",
-            ids,
-            len(ids) - ANSWER,
-            text,
-            self.handle(i % a.engines, len(ids)),
-            f"decode#{i % a.engines}",
-        )
-
-    def next_turn(self, conv: Conversation, tag: int) -> Conversation:
-        """The session's next turn: 64 new prompt tokens and a 128-token answer."""
-        extra = self.unique(NEXT_PROMPT + ANSWER, tag)
-        ids = conv.compact_ids + extra
-        more = self.text(NEXT_PROMPT + ANSWER, tag)
-        text = conv.text + more if conv.text is not None and more is not None else None
-        assert conv.handle is not None  # every fleet conversation has one
-        engine = int(conv.handle.engine_id.rsplit("-", 1)[1])
-        return Conversation(
-            conv.session_id,
-            ids,
-            len(conv.compact_ids) + NEXT_PROMPT,
-            text,
-            self.handle(engine, len(ids)),
-            conv.decode_replica,
-        )
 
 
 def new_store(sessions: int) -> HandleStore:

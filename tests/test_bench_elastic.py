@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench.client import TurnRecord
 from bench.elastic import DOWN_AT, app_config, markdown, summarize
 from bench.profiles import profile
+from bench.record import TurnRecord
 
 
 def rec(session: int, turn: int, ttft: float, replica: str, cached: int = 0, miss: str | None = None):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.client import TurnRecord
 from bench.fleet import SLO, buckets, goodput, level_stats, markdown, ratios
+from bench.record import TurnRecord
 
 
 def rec(session: int, turn: int, ttft: float, prompt: int = 1000, itl: float = 0.05, ok: bool = True):

@@ -38,7 +38,7 @@ from ray.util import metrics as ray_metrics
 from app.turn.events import CONTINUED_FROM
 from app.turn.placement import ON_DECODE, Reason
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 HOP_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0]
 TTFT_BOUNDARIES = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]

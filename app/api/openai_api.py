@@ -5,8 +5,9 @@
   JSON, lone surrogates, nesting past `MAX_DEPTH`, integers Python refuses to parse).
 * `OutputParsers`: vLLM's own tool-call and reasoning parsers (`vllm.parser`), picked
   by config with a per-family default, one instance per request.
-* `ChatShaper` / `CompletionShaper`: engine output (text, token ids, logprobs) into
-  OpenAI `message` / `delta` / `logprobs` objects, tool calls and reasoning included.
+* Requests for the engine: system text without per-request nonces, compact tool-call
+  arguments and grammars, the model's sampling defaults. Answers' OpenAI objects
+  (`message` / `delta` / `logprobs`) are `app.api.chat_output`'s and `app.api.shaping`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from app.api.protocol import ChatCompletionRequest
 from app.config import AppConfig
 from app.errors import APIError, client_error
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 MAX_DEPTH = 64
 """Deepest JSON nesting a request may have (OpenAI bodies need a handful of levels;

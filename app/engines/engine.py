@@ -1,7 +1,8 @@
 """The vLLM adapter: `VLLMEngine` implements `app.engines.wire.Engine` with vLLM's `AsyncLLM` and
-the NixlConnector, and the engine set-up it needs (side-channel ports, engine arguments,
-the plugin's environment). With `app.api.protocol` (vLLM's request models) and
-`app.api.openai_api` (its output parsers), the only modules that import vLLM.
+the NixlConnector, set up by `app.engines.setup` (side-channel ports, engine arguments, the
+plugin's environment); `check_vllm_api` checks the private vLLM API it reads, and
+`sampling_params` builds one request's vLLM `SamplingParams`. The only module that runs a
+vLLM engine; `app.api` imports vLLM for its request models, output parsers and tokenizer.
 """
 
 from __future__ import annotations

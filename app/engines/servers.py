@@ -34,7 +34,7 @@ from app.fleet.drain import Drain, last_of
 from connector import vllm_plugin
 from connector.client import StoreClient
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 STORE_DEPLOYMENT = "SessionStore"
 DRAIN_SLACK_S = 5.0

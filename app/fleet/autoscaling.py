@@ -26,7 +26,7 @@ from typing import Any
 
 from app.config import AutoscalingRoleConfig
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 KV_IN_USE = "kv_in_use"
 QUEUED_TOKENS = "queued_tokens"

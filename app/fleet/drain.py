@@ -36,7 +36,7 @@ from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from connector import store_api
 from connector.handle import KVHandle, Location, WireError, move_params
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 
 MoveStore = store_api.MoveStore

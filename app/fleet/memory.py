@@ -40,7 +40,7 @@ from app.turn.events import TurnCount
 from connector import store_api
 from connector.records import Conversation
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve").getChild(__name__)
 
 
 class DecodeMemoryClients(Protocol):

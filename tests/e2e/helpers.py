@@ -1,11 +1,13 @@
-"""Clients for the end-to-end tests: HTTP (plain and SSE), engine stats, reference tokens."""
+"""Clients for the end-to-end tests: HTTP (plain, and SSE through the shared `bench.sse`),
+engine stats, reference tokens."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import httpx
+
+from bench.sse import CompletionStream, payloads
 
 MODEL = "tiny-qwen3"
 SYSTEM = "You are a helpful assistant. Use the tools when they help, and answer briefly. " * 2
@@ -67,25 +69,23 @@ def _send(url, body, session, stream, *, chat: bool) -> Reply:
             text, choice["token_ids"], b["prompt_token_ids"], b["usage"], b["kvturn"], choice["finish_reason"]
         )
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    texts, ids, usage, kvturn, prompt_ids, finish = [], [], None, None, None, None
     with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
-        chunk = json.loads(line.removeprefix("data: "))
-        assert "error" not in chunk, chunk
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        if "kvturn" in chunk:
-            kvturn = chunk["kvturn"]
-            prompt_ids = chunk["prompt_token_ids"]
-        for choice in chunk["choices"]:
-            texts.append(choice["delta"].get("content", "") if chat else choice["text"])
-            ids.extend(choice.get("token_ids", []))
-            finish = choice["finish_reason"] or finish
-    return Reply("".join(texts), ids, prompt_ids, usage, kvturn, finish)
+        data = list(payloads(r.iter_lines()))
+    assert data[-1] == "[DONE]"
+    answer = CompletionStream()  # chat and text completion chunks alike
+    for payload in data:
+        answer.feed(payload)
+        assert answer.error is None, payload
+    return Reply(
+        answer.text,
+        answer.token_ids,
+        answer.prompt_token_ids,
+        answer.usage,
+        answer.kvturn,
+        answer.finish_reason,
+    )
 
 
 def reference_tokens(url: str, prompt_ids: list[int], n: int) -> list[int]:
