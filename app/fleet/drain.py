@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 import uuid
@@ -56,10 +57,27 @@ async def last_of(stream: AsyncIterator[tuple[EngineChunk, str]]) -> tuple[Engin
     return last, peer
 
 
+class MoveCount(enum.StrEnum):
+    """The counters of moves (`Moves.counts`, `Drain.counts`); a rebalance reports them as
+    `rebalance_<count>` (`app.turn.events.TurnCount`)."""
+
+    # The store's verdict on a move (`end_move`).
+    MOVED = "moved"
+    SUPERSEDED = "superseded"
+    FAILED = "failed"
+    LATE = "late"
+    MOVED_BLOCKS = "moved_blocks"
+    PULLED_TOKENS = "pulled_tokens"
+    RECOMPUTED = "recomputed"  # the peer computed what it could not read
+    STORE_ERROR = "store_error"
+    # A drain's conversations: found, left past its budget, dropped with the engine.
+    SESSIONS = "sessions"
+    OUT_OF_TIME = "out_of_time"
+    DROPPED = "dropped"
+
+
 class Moves:
-    """Moves conversations off one decode engine, one `move` call each; counts in `counts`:
-    `moved`, `moved_blocks`, `pulled_tokens`, `recomputed` (the peer computed instead of
-    reading), `superseded`, `failed`, `late`, `store_error`."""
+    """Moves conversations off one decode engine, one `move` call each, counted in `counts`."""
 
     def __init__(self, cfg: AppConfig, engine_id: str, replica_id: str, store: MoveStore, move: Mover):
         self._cfg = cfg
@@ -67,7 +85,7 @@ class Moves:
         self.replica_id = replica_id
         self._store = store
         self._move = move
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[MoveCount] = Counter()
 
     async def one(self, session_id: str, deadline: float, to_replica: str | None = None) -> str | None:
         """Move one session's conversation, to `to_replica` if given (else Serve's router
@@ -76,7 +94,7 @@ class Moves:
         try:
             claim = await self._store.begin_move(session_id, self.engine_id)
         except Exception as exc:  # the session stays where it is
-            self.counts["store_error"] += 1
+            self.counts[MoveCount.STORE_ERROR] += 1
             logger.warning("moving session %s off %s: store error %r", session_id, self.replica_id, exc)
             return None
         if claim is None:
@@ -92,12 +110,12 @@ class Moves:
         try:
             result = await self._store.end_move(claim, new, replica)
         except Exception as exc:  # the lease expires; the peer's copy at its engine's TTL
-            self.counts["store_error"] += 1
+            self.counts[MoveCount.STORE_ERROR] += 1
             logger.warning("moving session %s off %s: store error %r", session_id, self.replica_id, exc)
             return None
-        self.counts[result] += 1
-        if result == "moved" and new is not None:
-            self.counts["moved_blocks"] += new.num_blocks
+        self.counts[MoveCount(result)] += 1
+        if result == MoveCount.MOVED and new is not None:
+            self.counts[MoveCount.MOVED_BLOCKS] += new.num_blocks
         return result
 
     async def _read(
@@ -118,9 +136,9 @@ class Moves:
         if final is None:
             return None, None
         pulled = final.num_cached_tokens
-        self.counts["pulled_tokens"] += pulled
+        self.counts[MoveCount.PULLED_TOKENS] += pulled
         if pulled + self._cfg.block_size <= handle.num_tokens:
-            self.counts["recomputed"] += 1  # the peer computed what it could not read
+            self.counts[MoveCount.RECOMPUTED] += 1
         try:
             new = KVHandle.from_wire(final.kv_params)
         except WireError:
@@ -131,8 +149,7 @@ class Moves:
 
 
 class Drain:
-    """Moves one stopping decode replica's conversations (`run`, once). `counts`: those of
-    `Moves`, and `sessions` (found), `out_of_time`, `dropped` (left with the engine)."""
+    """Moves one stopping decode replica's conversations (`run`, once), counted in `counts`."""
 
     PASSES = 2
     """Times the store is asked for what is left: a turn that ended as the replica stopped
@@ -144,7 +161,7 @@ class Drain:
         self._moves = Moves(cfg, engine_id, replica_id, store, move)
         self.counts = self._moves.counts
 
-    async def run(self) -> Counter[str]:
+    async def run(self) -> Counter[MoveCount]:
         moves = self._moves
         started = time.monotonic()
         deadline = started + self._cfg.drain.budget_s
@@ -153,14 +170,14 @@ class Drain:
             sessions = await self._store.moving_out(moves.engine_id)
             if not sessions or time.monotonic() >= deadline:
                 break
-            self.counts["sessions"] += len(sessions)
+            self.counts[MoveCount.SESSIONS] += len(sessions)
             queue = list(reversed(sessions))  # popped from the end: most recent first
             workers = (self._worker(queue, deadline) for _ in range(self._cfg.drain.parallel))
             await asyncio.gather(*workers)
-        self.counts["out_of_time"] += len(queue)
+        self.counts[MoveCount.OUT_OF_TIME] += len(queue)
         # Whatever is still stored here goes with the engine: forget it now, so no turn
         # tries to pull it once the replica is gone.
-        self.counts["dropped"] = await self._store.drop_engine(moves.engine_id)
+        self.counts[MoveCount.DROPPED] = await self._store.drop_engine(moves.engine_id)
         elapsed = time.monotonic() - started
         logger.info("decode replica %s drained in %.2f s: %s", moves.replica_id, elapsed, dict(self.counts))
         return self.counts
@@ -200,7 +217,7 @@ class Rebalance:
         self._store = store
         self._move = move
 
-    async def round(self, replica_of: Mapping[str, str], counts: Counter[str]) -> int:
+    async def round(self, replica_of: Mapping[str, str], counts: Counter[MoveCount]) -> int:
         """One round over the live engines (`replica_of`: engine id -> its replica).
         Returns the conversations moved; counts `moved`, `moved_blocks`, ... into `counts`."""
         d = self._cfg.drain
@@ -223,9 +240,9 @@ class Rebalance:
             oldest = list(reversed(await self._store.moving_out(src)))
             deadline = time.monotonic() + d.budget_s
             for session_id in oldest:
-                if moves.counts["moved_blocks"] >= want or time.monotonic() >= deadline:
+                if moves.counts[MoveCount.MOVED_BLOCKS] >= want or time.monotonic() >= deadline:
                     break
-                if await moves.one(session_id, deadline, to_replica=replica_of[dst]) == "moved":
+                if await moves.one(session_id, deadline, to_replica=replica_of[dst]) == MoveCount.MOVED:
                     moved += 1
             logger.info("rebalanced decode engine %s to %s: %s", src, dst, dict(moves.counts))
             counts.update(moves.counts)

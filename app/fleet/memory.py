@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest
-from app.fleet.drain import Rebalance, last_of
+from app.fleet.drain import MoveCount, Rebalance, last_of
 from app.turn.events import TurnCount
 from connector import store_api
 from connector.records import Conversation
@@ -162,7 +162,7 @@ class DecodeMemory:
         if set(replicas) - set(self._engine_of):
             await self.sync_capacities()  # a new replica (scale-up) takes moves at once
         replica_of = {self._engine_of[r]: r for r in replicas if r in self._engine_of}
-        moved: Counter[str] = Counter()
+        moved: Counter[MoveCount] = Counter()
         try:
             return await Rebalance(self._cfg, self._store, self._move).round(replica_of, moved)
         except Exception:
@@ -182,7 +182,7 @@ class DecodeMemory:
             return
         self._start_ticker()
         # Shared work in a context of its own: not a child of the request that started it,
-        # which Ray would cancel with that request (`app.api.ingress._outliving`).
+        # which Ray would cancel with that request (`app.api.serving.outliving`).
         task = asyncio.get_running_loop().create_task(self.flush(), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
