@@ -217,12 +217,18 @@ class HandleStore(StoreBook):
             self.put(conversation, base, retain)
 
     def put(
-        self, conversation: Conversation, base: tuple[array, str | None] | None = None, retain: bool = False
+        self,
+        conversation: Conversation,
+        base: tuple[array, str | None] | None = None,
+        retain: bool = False,
+        stored_at: float | None = None,
     ) -> None:
         """Store a session's latest turn, superseding the previous one. `base`: ids and
         text the turn is known to start with (a resolved `ConversationTail`). `retain`:
         when its engine is over budget, its handle goes after the tenant's others
-        (`TenantShares.victim`); the budget still wins. Each turn sets it anew."""
+        (`TenantShares.victim`); the budget still wins. Each turn sets it anew.
+        `stored_at`: when the conversation was stored, if earlier than now (a move): its
+        expiry counts from then."""
         self._sweep()
         now = self._clock()
         session_id = conversation.session_id
@@ -231,7 +237,8 @@ class HandleStore(StoreBook):
             if old.state is HandleState.STORED:
                 self._leave(old, HandleState.SUPERSEDED)
             self._remove(old)
-        record = Record(conversation, now, now + self._ttl, retain)
+        since = now if stored_at is None else min(stored_at, now)
+        record = Record(conversation, since, since + self._ttl, retain)
         self._index.keys(record, old, base)
         self._records[session_id] = record
         self._shares.touch(tenant_of(session_id), session_id, now)
@@ -241,6 +248,8 @@ class HandleStore(StoreBook):
             self._transition(record, HandleState.NO_HANDLE)
         else:
             self._transition(record, HandleState.STORED)
+            if since < now:
+                self._refile_expiry(record)
             self.counts[StoreEvent.STORED] += 1
             self._enforce_budget(record.handle.engine_id)
         while self._records and (len(self._records) > self._max_sessions or self._bytes > self._max_bytes):
@@ -347,7 +356,9 @@ class HandleStore(StoreBook):
         )
         self.counts[StoreEvent.MOVED] += 1
         self.counts[StoreEvent.MOVED_BLOCKS] += handle.num_blocks
-        self.put(moved, (record.tokens, record.text), record.retained)
+        # The move keeps the conversation's age: its handle expires when it would have
+        # unmoved (a move is not a turn), and the peer's pin is then released early.
+        self.put(moved, (record.tokens, record.text), record.retained, stored_at=record.stored_at)
         return "moved"
 
     # -- decode memory -----------------------------------------------------------------

@@ -461,6 +461,27 @@ def test_a_move_swaps_the_handle_and_keeps_the_conversation(store, clock):
     assert store.moving_out("d-0") == []
 
 
+def test_a_moved_conversation_keeps_its_age_and_its_copy_is_released_when_it_expires(store, clock):
+    """A move is not a turn: the handle expires when it would have unmoved, before a
+    conversation stored after it, and the peer's pin is released then (not at its TTL)."""
+    store.put(conv("old", range(10), engine="d-0"))
+    clock.advance(40)
+    store.put(conv("young", range(20, 30), engine="d-1"))
+    claim = store.begin_move("old", "d-0")
+    assert claim is not None
+    clock.advance(10)
+    copy = handle("d-1", num_tokens=claim.handle.num_tokens)
+    assert store.end_move(claim.lease_id, copy, "decode#1") == "moved"
+    assert store.take_releases() == []
+    clock.advance(TTL - 50 + 1)  # past the old conversation's expiry, not the young one's
+    assert store.begin_turn("old").miss_reason == "expired"
+    assert [(r.engine_id, r.request_id, r.reason) for r in store.take_releases()] == [
+        ("d-1", copy.request_id, "expired")
+    ]
+    young = store.begin_turn("young")
+    assert young.handle is not None
+
+
 def test_a_failed_move_leaves_the_session_to_go_with_its_engine(store):
     store.put(conv("a", range(10), engine="d-0"))
     claim = store.begin_move("a", "d-0")
