@@ -1,9 +1,9 @@
 """One turn of a conversation, end to end: the orchestration the ingress runs. `Turns.run`
 follows the flow, one step a call, each step's result typed (`app.turn.steps`):
 
-    session   `_resolve_session` -> `Session`: which conversation (header, agent key, or
-              prompt-token match); claim its KV handle from the store (a new session past
-              its tenant's live limit is refused here)
+    session   `Sessions.resolve` -> `Session` (`app.turn.session`): which conversation
+              (header, agent key, or prompt-token match); claim its KV handle from the
+              store (a new session past its tenant's live limit is refused here)
     prompt    `_prompt_ids`: token ids, re-using the ids generated last turn
               (token-in/token-out); `_fit`: the context length
     handle    `_verified_history`: verify the claimed handle token by token, cap it to
@@ -27,24 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import math
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from app.config import AppConfig, Mode
 from app.engines.setup import decode_prompt_chunk
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
-from app.errors import APIError, DecodeFailed, RateLimited
+from app.errors import APIError, DecodeFailed
 from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.turn.pacing import DecodeStreams, LegPace, LocalLeg
 from app.turn.placement import DecodeLoad, Limits, Placement, PrefillLoad, Reason, place, place_static
-from app.turn.steps import Answer, Route, Session
+from app.turn.session import Sessions, text_extends
+from app.turn.steps import Answer, Route
 from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
 
@@ -61,6 +59,7 @@ class Turns:
         self.pace = LegPace()
         self.local_pace: dict[str, LegPace] = {}
         """Per decode replica: the turns it computes alone (`_decode_local`)."""
+        self._sessions = Sessions(cfg, self._store, tokenizer, self.counts)
         self.memory = DecodeMemory(cfg, clients, self._store, self.counts)
         t = cfg.transfer
         itl_s, chunk = t.itl_target_ms / 1000, decode_prompt_chunk(cfg)
@@ -77,7 +76,7 @@ class Turns:
         limit, a decode that failed past its retries)."""
         started = time.monotonic()
         timings: dict[str, float] = {}
-        session = await self._resolve_session(turn)
+        session = await self._sessions.resolve(turn)
         claim, conv = session.claim, session.claim.conversation if session.claim else None
         timings["store_s"] = time.monotonic() - started
         pin_deadline = self._pin_deadline(claim)
@@ -150,77 +149,10 @@ class Turns:
             if claim is not None and self._store is not None:
                 # Shielded: runs even when the client disconnects mid-stream.
                 stored = self._store.end_turn(claim, outcome, new_conv, engine_blocks, retain=turn.retain)
-                await asyncio.shield(self._store_call(stored, None, "end_turn"))
+                await asyncio.shield(self._sessions.call(stored, None, "end_turn"))
                 self.memory.release_soon()
 
     # -- steps -------------------------------------------------------------------------
-
-    async def _resolve_session(self, turn: TurnInput) -> Session:
-        session_id, prompt_ids = turn.session_id, turn.prompt_ids
-        if self._store is None:
-            return Session(session_id or turn.namespace + _new_session(), prompt_ids, None)
-        claim = None
-        if session_id is not None and turn.session_keyed:
-            self.counts[TurnCount.SESSION_FROM_AGENT] += 1
-            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
-            if claim is not None and not _extends(turn, prompt_ids, claim.conversation):
-                # A sub-agent or a fork under the agent's key: the keyed conversation
-                # stays as it is, and this turn finds its own by its prompt.
-                self.counts[TurnCount.SESSION_KEY_DIVERGED] += 1
-                given_back = self._store.end_turn(claim, TurnOutcome.KEPT, None)
-                await self._store_call(given_back, None, "end_turn")
-                keyed, claim = session_id, None
-                session_id, prompt_ids = await self._matched(turn, prompt_ids)
-                if session_id == keyed:
-                    session_id = None
-        elif session_id is None:
-            session_id, prompt_ids = await self._matched(turn, prompt_ids)
-        session_id = session_id or turn.namespace + _new_session()
-        # Store unavailable: the turn runs without reuse and is not stored.
-        if claim is None:
-            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
-        wait_until = time.monotonic() + self._cfg.drain.wait_s
-        while claim is not None and claim.miss_reason == MissReason.MOVING and time.monotonic() < wait_until:
-            # A stopping decode replica is handing this conversation to a peer (`app.fleet.drain`):
-            # wait for the new handle rather than recompute the history.
-            self.counts[TurnCount.MOVE_WAITED] += 1
-            await self._store_call(self._store.end_turn(claim, TurnOutcome.UNUSED, None), None, "end_turn")
-            await asyncio.sleep(MOVE_POLL_S)
-            claim = await self._store_call(self._store.begin_turn(session_id), None, "begin_turn")
-        if claim is not None and claim.retry_after_s is not None:
-            seconds = max(1, math.ceil(claim.retry_after_s))
-            raise RateLimited(
-                f"Rate limit reached for this API key: its maximum of live sessions. Retry in {seconds} s.",
-                seconds,
-            )
-        return Session(session_id, prompt_ids, claim)
-
-    async def _matched(self, turn: TurnInput, prompt_ids) -> tuple[str | None, tuple[int, ...] | None]:
-        """The stored conversation of the turn's tenant that its prompt continues, by the
-        store's prompt index (`sessions.match_sessionless`), or None."""
-        if not self._cfg.sessions.match_sessionless:
-            return None, prompt_ids
-        assert self._store is not None
-        if prompt_ids is None:
-            prompt_ids = tuple(self._tok.encode(turn.prompt_text or ""))
-        session_id, _ = await self._store_call(
-            self._store.match(prompt_ids, turn.prompt_text), (None, 0), "match"
-        )
-        if session_id is not None and not session_id.startswith(turn.namespace):
-            session_id = None  # another tenant's conversation: never matched across
-        self.counts[TurnCount.SESSIONLESS_MATCHED if session_id else TurnCount.SESSIONLESS_NEW] += 1
-        return session_id, prompt_ids
-
-    async def _store_call(self, call, default, what: str):
-        """Await a store call; if it fails (the client's deadline included), count
-        `store_unavailable`, log, and return `default`: a store fault costs reuse, never
-        the turn."""
-        try:
-            return await call
-        except Exception as exc:
-            self.counts[TurnCount.STORE_UNAVAILABLE] += 1
-            logger.warning("store %s failed, turn goes on without it: %r", what, exc)
-            return default
 
     def _prompt_ids(
         self, turn: TurnInput, prompt_ids, conv: Conversation | None
@@ -228,7 +160,7 @@ class Turns:
         text = turn.prompt_text
         if text is None:
             return tuple(prompt_ids), False
-        if self._cfg.sessions.token_in_token_out and _text_extends(text, conv):
+        if self._cfg.sessions.token_in_token_out and text_extends(text, conv):
             assert conv is not None and conv.text is not None
             self.counts[TurnCount.SPLICED] += 1
             return conv.token_ids + tuple(self._tok.encode(text[len(conv.text) :])), True
@@ -286,7 +218,7 @@ class Turns:
                 self.counts[TurnCount.PULL_FROM_DRAINING] += 1
             else:
                 assert self._store is not None  # the claim came from it
-                await self._store_call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
+                await self._sessions.call(self._store.drop_engine(claim.handle.engine_id), 0, "drop_engine")
                 return self._miss(MissReason.REPLICA_GONE)
         handle, drift = restrict(claim.handle, prompt_ids, conv.token_ids, self._cfg.block_size)
         if drift:
@@ -415,27 +347,3 @@ class Turns:
             # The stop/EOS token is in the ids but not in the text the client receives.
             suffix = self._tok.piece(generated[-1])
         return turn.prompt_text + text + suffix
-
-
-logger = logging.getLogger("ray.serve").getChild(__name__)
-
-MOVE_POLL_S = 0.05
-"""How often a turn waiting for its conversation's move asks the store again."""
-
-
-def _new_session() -> str:
-    return "s-" + uuid.uuid4().hex
-
-
-def _extends(turn: TurnInput, prompt_ids, conv: Conversation | None) -> bool:
-    """Whether the turn's prompt continues the stored conversation `conv` (its text, or
-    its exact tokens); True when there is none to compare (a new or busy session)."""
-    if conv is None or _text_extends(turn.prompt_text, conv):
-        return True
-    ids = prompt_ids if prompt_ids is not None else turn.prompt_ids
-    return ids is not None and tuple(ids[: len(conv.token_ids)]) == conv.token_ids
-
-
-def _text_extends(text: str | None, conv: Conversation | None) -> bool:
-    """Whether the prompt's text starts with the stored conversation's exact text."""
-    return text is not None and conv is not None and conv.text is not None and text.startswith(conv.text)
