@@ -37,6 +37,7 @@ from ray.util import metrics as ray_metrics
 
 from app.turn.events import CONTINUED_FROM
 from app.turn.placement import ON_DECODE, Reason
+from connector.store_api import StoreOp
 
 logger = logging.getLogger("ray.serve").getChild(__name__)
 
@@ -319,10 +320,11 @@ class StoreGauges:
 
 
 class TimedStore:
-    """Wraps a store client: every awaited call is timed into `kvturn_store_op_seconds`
-    (tagged by operation), and failed calls are counted. Other attributes pass through."""
+    """Wraps a store client: every store operation (`connector.store_api.StoreOp`) is
+    timed into `kvturn_store_op_seconds` (tagged by operation), and failed calls are
+    counted. Other attributes pass through."""
 
-    OPS = ("match", "begin_turn", "end_turn", "drop_engine", "stats")
+    OPS = frozenset(op.value for op in StoreOp)
 
     def __init__(self, store):
         self._store = store
