@@ -87,8 +87,9 @@ def code_fingerprint() -> str:
 
     digest = hashlib.sha256()
     for package in (app, connector):
-        for path in sorted(Path(str(package.__file__)).parent.glob("*.py")):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        root = Path(str(package.__file__)).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -250,6 +250,23 @@ def test_versions_change_with_settings_and_code_but_not_with_counts(tmp_path, mo
     assert all(v != first[k] for k, v in versions(base).items())
 
 
+def test_the_code_fingerprint_covers_every_module_of_the_packages(monkeypatch):
+    """A change in any module, a subpackage's included, is a new release."""
+    from pathlib import Path
+
+    from app import builder
+
+    first = builder.code_fingerprint()
+    read = Path.read_bytes
+
+    def changed(path: Path) -> bytes:
+        data = read(path)
+        return data + b"# changed" if path.parts[-3:] == ("app", "turn", "legs.py") else data
+
+    monkeypatch.setattr(Path, "read_bytes", changed)
+    assert builder.code_fingerprint() != first
+
+
 def test_from_args_sets_dotted_keys_over_a_tree_without_changing_it(model_dir):
     """A nested tree with dotted keys over it (as tests/conftest.py's `config_with` builds
     configs): the keys land in the tree's sections, and the caller's mappings stay as given."""
