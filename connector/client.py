@@ -78,7 +78,7 @@ class StoreClient:
 
     @classmethod
     def of_shards(cls, shards: Sequence[StoreShard], **kwargs) -> StoreClient:
-        """Shards in this process (`StoreSettings.shard()`), called as actors are: tests."""
+        """Shards in this process (`StoreShard(settings)`), called as actors are: tests."""
         return cls.of_actors([LocalActor(s) for s in shards], **kwargs)
 
     async def _shards(self) -> list:

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from connector.records import DEFAULT_MAX_STORE_BYTES
 from connector.response_store import ResponseStore
 from connector.store import HandleStore
-
-if TYPE_CHECKING:
-    from connector.shard import StoreShard
 
 
 @dataclass(frozen=True)
@@ -70,9 +67,3 @@ class StoreSettings:
     def response_store(self, **overrides: Any) -> ResponseStore:
         """One shard's `ResponseStore` (`overrides` as in `handle_store`)."""
         return ResponseStore(**{**self.response_kwargs(), **overrides})
-
-    def shard(self) -> StoreShard:
-        """One shard, in process (what the shard actor runs)."""
-        from connector.shard import StoreShard  # it builds its parts from these settings
-
-        return StoreShard(self)

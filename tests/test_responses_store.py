@@ -1,5 +1,5 @@
 """`connector.response_store.ResponseStore` on a fake clock, and the same store through
-`StoreClient` over the real shards (`StoreSettings.shard()`) run in process
+`StoreClient` over the real shards (`StoreShard(settings)`) run in process
 (`StoreClient.of_shards`: `.remote()` calls are awaitables, no Ray)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from connector.client import StoreClient
 from connector.response_store import ResponseStore, StoredResponse, route_of
 from connector.settings import StoreSettings
+from connector.shard import StoreShard
 
 A, B = "k0123456789ab:", "kba9876543210:"
 
@@ -162,7 +163,7 @@ def test_store_settings_split_the_response_bounds_and_keep_them_from_the_handle_
 
 
 async def test_responses_through_the_client_live_on_the_shard_their_key_hashes_to():
-    client = StoreClient.of_shards([SETTINGS.shard() for _ in range(SETTINGS.shards)])
+    client = StoreClient.of_shards([StoreShard(SETTINGS) for _ in range(SETTINGS.shards)])
     keys = [f"{A}resp_{i}" for i in range(8)]
     assert set(await asyncio.gather(*(client.put_response(resp(k)) for k in keys))) == {"stored"}
     shards = (await client.stats())["shards"]
@@ -224,7 +225,7 @@ def test_a_response_whose_parent_is_gone_is_refused_until_sent_alone(clock):
 
 
 async def test_the_client_stores_a_response_alone_when_its_shard_lost_the_parent():
-    client = StoreClient.of_shards([SETTINGS.shard() for _ in range(SETTINGS.shards)])
+    client = StoreClient.of_shards([StoreShard(SETTINGS) for _ in range(SETTINGS.shards)])
     history = [{"role": "user", "content": "q one"}, {"role": "assistant", "content": "one"}]
     assert (
         await client.put_response(

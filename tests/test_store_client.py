@@ -1,6 +1,6 @@
 """`connector.client.StoreClient`: shard handles fetched from the store deployment, checked
 against the expected settings, fetched again after a failure; every call has a deadline.
-Shards are the real `StoreShard` (`StoreSettings.shard()`) in process, called as actors
+Shards are the real `StoreShard` (`StoreShard(settings)`) in process, called as actors
 are: `.remote()` calls return awaitables (no Ray)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ray
 
 from connector.client import StoreClient
 from connector.settings import StoreSettings
-from connector.shard import apply_ops
+from connector.shard import StoreShard, apply_ops
 from connector.shard_queue import ShardQueue
 from connector.store import TurnOutcome
 from connector.store_api import StoreApi, StoreOp, StoreUnavailable
@@ -39,10 +39,10 @@ class _Method:
 
 
 class FakeShard:
-    """A shard actor that can hang or die: `StoreSettings.shard()` behind `.remote()`."""
+    """A shard actor that can hang or die: `StoreShard(settings)` behind `.remote()`."""
 
     def __init__(self):
-        self.shard = SETTINGS.shard()
+        self.shard = StoreShard(SETTINGS)
         self.store = self.shard.store
         self.hang = False
         self.dead = False
@@ -148,7 +148,7 @@ async def test_a_failed_batch_fails_each_of_its_turns_and_the_next_batch_goes_ou
 def test_every_declared_operation_is_implemented_and_reached_by_the_client():
     """One declaration (`StoreOp`): each names a method of its shard part, the client has
     a method of that name, and the client's methods are exactly the `StoreApi`."""
-    shard = SETTINGS.shard()
+    shard = StoreShard(SETTINGS)
     for op in StoreOp:
         assert callable(getattr(shard._parts[op.part], op.method)), op
         assert callable(getattr(StoreClient, op.value)), op
