@@ -82,12 +82,10 @@ def bound_config(cfg: AppConfig) -> AppConfig:
 def code_fingerprint() -> str:
     """A hash of this project's own modules (`app`, `connector`): a new release restarts
     every replica even when its config is unchanged."""
-    import app
     import connector
 
     digest = hashlib.sha256()
-    for package in (app, connector):
-        root = Path(str(package.__file__)).parent
+    for root in (Path(__file__).parent, Path(str(connector.__file__)).parent):
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
