@@ -139,7 +139,9 @@ def deployed(
             dep.engines = engine_pids() - foreign
             yield dep
         finally:
-            ours = dep.engines | (engine_pids() - foreign)
+            # An own cluster's engines descend from this process (taken before its shutdown
+            # orphans them); on a shared one, every engine that came with the app.
+            ours = dep.engines | (engine_pids(os.getpid() if own else None) - foreign)
             if own:
                 stack.close()  # serve.shutdown() and ray.shutdown()
             else:
@@ -157,15 +159,19 @@ def deployed(
 # -- processes and replicas --------------------------------------------------------------
 
 
-def engine_pids() -> set[int]:
-    """Ids of the vLLM engine processes on this machine."""
+def engine_pids(within: int | None = None) -> set[int]:
+    """Ids of the vLLM engine processes on this machine; with `within`, only those that
+    descend from that process (a driver's own local Ray cluster: its raylet is the
+    driver's child, and the engines the raylet's workers' children), not another run's."""
     import psutil
 
     pids = set()
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
             names = [p.info.get("name") or ""] + list(p.info.get("cmdline") or [])
-            if any(ENGINE_PROCESS in n for n in names):
+            if not any(ENGINE_PROCESS in n for n in names):
+                continue
+            if within is None or any(a.pid == within for a in p.parents()):
                 pids.add(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

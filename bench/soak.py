@@ -235,9 +235,11 @@ def pin_budgets(app: str, engines: dict) -> dict:
     return out
 
 
-def engine_processes(app: str) -> dict:
+def engine_processes(app: str, own: bool) -> dict:
+    """Engine processes beside the live engine replicas (`own`: this driver's cluster,
+    whose engines are counted alone)."""
     live = len(replica_ids(app, "DecodeServer")) + len(replica_ids(app, "PrefillServer"))
-    running = len(engine_pids())
+    running = len(engine_pids(os.getpid() if own else None))
     return {
         "engine_processes": running,
         "live_engine_replicas": live,
@@ -306,10 +308,10 @@ async def drive(args, report: Report, can_kill: bool) -> None:
             pass
 
 
-def load_and_inspect(args, report: Report, can_kill: bool) -> None:
+def load_and_inspect(args, report: Report, can_kill: bool, own: bool = False) -> None:
     """Run the load with its faults, then (with a Ray cluster) read what was left: the
     store after the load, pinned blocks and pin budgets after the decode TTL, engine
-    processes while the app runs."""
+    processes while the app runs (`own`: the cluster is this process's)."""
     asyncio.run(drive(args, report, can_kill))
     print(f"[soak] load done: {len(report.turns)} requests", flush=True)
     if not can_kill:
@@ -323,7 +325,7 @@ def load_and_inspect(args, report: Report, can_kill: bool) -> None:
     time.sleep(wait)
     report.pinned_blocks_after_ttl = decode_blocks(args.app)
     report.budgets = pin_budgets(args.app, report.pinned_blocks_after_ttl)
-    report.engine_processes_while_running = engine_processes(args.app)
+    report.engine_processes_while_running = engine_processes(args.app, own)
 
 
 def main(argv=None) -> int:
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
         ) as dep:
             args.url = dep.url
             print(f"[soak] app running after {time.monotonic() - started:.0f} s", flush=True)
-            load_and_inspect(args, report, can_kill=True)
+            load_and_inspect(args, report, can_kill=True, own=True)
         report.engine_processes_after_shutdown = len(dep.left_over or ())
     else:
         try:
