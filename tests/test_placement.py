@@ -11,7 +11,7 @@ import pytest
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.turn.events import TurnCount
-from app.turn.pacing import DecodeStreams
+from app.turn.pacing import DecodeStreams, LateTokens, LegPace, LineFit
 from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from connector.handle import KVHandle, Location, local_decode_params
 
@@ -21,8 +21,16 @@ PREFILL = PrefillLoad(seconds_per_token=0.1 * MS, tokens_in_flight=0, handoff_s=
 """An idle prefill pool computing 10k tokens/s, with a 30 ms hand-off to decode."""
 
 
-def decode(pace: float | None = 0.1 * MS, ahead: int = 0, streams: int = 0, step_ms: float | None = None):
-    return DecodeLoad(pace, ahead, streams, None if step_ms is None else step_ms * MS)
+def decode(
+    pace: float | None = 0.1 * MS,
+    ahead: int = 0,
+    streams: int = 0,
+    step_ms: float | None = None,
+    fixed_ms: float = 0.0,
+    late_budget: int = 0,
+):
+    step = None if step_ms is None else step_ms * MS
+    return DecodeLoad(pace, ahead, streams, step, fixed_ms * MS, late_budget)
 
 
 # -- the priced rule --------------------------------------------------------------------------
@@ -122,6 +130,83 @@ def test_an_overloaded_replica_takes_nothing():
     assert not p.local and p.reason is Reason.ITL
 
 
+def test_a_turn_that_stretches_the_steps_spends_the_streams_late_budget():
+    # 4 streams at 30 ms a step; 1,000 tokens in 4 chunks of 25.6 ms: each chunk's step is
+    # past 50 ms, so each stream gets 4 late outputs, 16 in all. Prefill is queued.
+    queued = PrefillLoad(0.1 * MS, tokens_in_flight=3000, handoff_s=30 * MS)
+    assert place(1000, queued, decode(streams=4, step_ms=30, late_budget=15), LIMITS).reason is Reason.ITL
+    p = place(1000, queued, decode(streams=4, step_ms=30, late_budget=16), LIMITS)
+    assert p.local and p.reason is Reason.SOONER and p.stream_step_s > LIMITS.itl_target_s
+    # A short one that stretches: one chunk, one late output per stream.
+    assert place(250, PREFILL, decode(streams=4, step_ms=30, late_budget=4), LIMITS).reason is Reason.SHORT
+    assert place(250, PREFILL, decode(streams=4, step_ms=30, late_budget=3), LIMITS).reason is Reason.ITL
+    # No streams there: nothing to stretch, whatever the budget.
+    assert place(1000, PREFILL, decode(late_budget=-5), LIMITS).local
+
+
+def test_streams_already_late_beyond_their_share_take_no_turn_at_all():
+    # A 10-token turn would keep the step at 21 ms, within target, but the streams there
+    # came late more often than they may: every turn goes through prefill until they recover.
+    p = place(10, PREFILL, decode(streams=4, step_ms=20, late_budget=-1), LIMITS)
+    assert not p.local and p.reason is Reason.ITL
+    assert place(10, PREFILL, decode(streams=4, step_ms=20, late_budget=0), LIMITS).reason is Reason.SHORT
+
+
+def test_fixed_costs_are_priced_on_both_sides():
+    # Same pace both sides; decode's turns cost 40 ms beyond their tokens, prefill's legs 20 ms
+    # and a 30 ms hand-off: decode is sooner by 10 ms.
+    with_fixed = PrefillLoad(0.1 * MS, 0, 30 * MS, fixed_s=20 * MS)
+    p = place(1500, with_fixed, decode(fixed_ms=40), LIMITS)
+    assert p.local and p.decode_s == pytest.approx(0.19) and p.prefill_s == pytest.approx(0.2)
+    q = place(1500, with_fixed, decode(fixed_ms=60), LIMITS)
+    assert not q.local and q.reason is Reason.LATER
+    # An unmeasured replica takes prefill's fixed cost and pace, plus the hand-off: never sooner
+    # while prefill is idle.
+    r = place(1500, with_fixed, decode(pace=None), LIMITS)
+    assert r.decode_s == pytest.approx(0.02 + 0.15 + 0.03) and not r.local
+
+
+# -- what feeds it: the line through legs, late outputs -------------------------------------------
+
+
+def test_a_pools_legs_give_a_fixed_cost_and_a_cost_per_token():
+    pace = LegPace()
+    assert pace.cost() == (0.0, None)
+    for tokens in (100, 2000, 300, 1500, 800, 120, 1800, 600):
+        pace.observe(tokens, 0.04 + 0.0002 * tokens)
+    fixed, per_token = pace.cost()
+    assert fixed == pytest.approx(0.04, rel=0.05) and per_token == pytest.approx(0.0002, rel=0.05)
+    # The pace per token alone (kept for deadlines) carries the fixed cost of short legs.
+    assert pace.seconds_per_token > 0.0002 * 1.05
+
+
+def test_legs_of_one_size_give_no_line_and_the_pace_stands_in():
+    pace = LegPace()
+    for _ in range(20):
+        pace.observe(500, 0.15)
+    assert pace.line.fit() is None
+    assert pace.cost() == (0.0, pytest.approx(0.15 / 500))
+    few = LineFit()
+    for tokens in (100, 2000, 300):
+        few.observe(tokens, 0.04 + 0.0002 * tokens)
+    assert few.fit() is None  # fewer than MIN_LEGS
+
+
+def test_late_outputs_give_a_budget_over_a_window():
+    late = LateTokens(target_s=50 * MS, fraction=0.01, window=400)
+    for _ in range(300):
+        late.observe(10 * MS)
+    assert late.budget == 3  # 1% of 300, none late yet
+    late.observe(80 * MS)
+    assert late.late == 1 and late.budget == 2  # floor(3.01) - 1
+    for _ in range(5):
+        late.observe(60 * MS)
+    assert late.budget == 3 - 6
+    for _ in range(400):  # the window moves past them
+        late.observe(10 * MS)
+    assert late.late == 0 and late.seen == 400 and late.budget == 4
+
+
 # -- the static rule (transfer.placement: static) -----------------------------------------------
 
 
@@ -208,6 +293,7 @@ async def test_streams_are_counted_on_their_replica_while_they_stream():
         seen.append(streams.of(replica).streams)
     assert seen == [1, 1, 1] and streams.of("decode-0").streams == 0
     assert streams.of("decode-0").seconds_per_token.value is not None
+    assert streams.of("decode-0").late.seen == 2  # the gaps between 3 outputs, none late
     assert streams.handoff.value is None  # computed on decode: no hand-off
 
 

@@ -169,6 +169,17 @@ class TransferConfig(Strict):
             "replica whose streams' steps it would stretch past it."
         ),
     )
+    itl_late_fraction: float = Field(
+        0.005,
+        ge=0,
+        lt=1,
+        description=(
+            "`placement: priced`: the share of a decode replica's recent outputs that may come later "
+            "than `itl_target_ms` (the target is a p99: 0.01 would spend all of it). The policy spends "
+            "it on decode-local turns that stretch the streams' steps past the target, and sends every "
+            "turn through prefill while the streams there come late beyond it. 0: never stretch them."
+        ),
+    )
     decode_chunk_tokens: int = Field(
         256,
         ge=0,

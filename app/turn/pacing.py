@@ -13,7 +13,9 @@ passing engine calls through.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,15 +45,27 @@ class LegPace:
         self._weight = weight
         self.seconds_per_token: float | None = None
         self.tokens_in_flight = 0
+        self.line = LineFit()
+        """The same legs as a fixed cost plus a cost per token (`cost`), for placement."""
 
     def observe(self, computed_tokens: int, seconds: float, ahead_tokens: int = 0) -> None:
         """A leg computed `computed_tokens` in `seconds`, after `ahead_tokens` of legs
         that were in flight when it started."""
         if computed_tokens < self.MIN_TOKENS or seconds <= 0:
             return
-        pace = seconds / (computed_tokens + max(0, ahead_tokens))
+        tokens = computed_tokens + max(0, ahead_tokens)
+        pace = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = pace if old is None else old + self._weight * (pace - old)
+        self.line.observe(tokens, seconds)
+
+    def cost(self) -> tuple[float, float | None]:
+        """(fixed seconds, seconds per token) of a leg: the line through the legs measured
+        once they spread enough to tell the two apart, else (0, `seconds_per_token`). A
+        pool that computes mostly short legs has a pace per token inflated by their fixed
+        cost; the line keeps that from pricing its long legs too high."""
+        line = self.line.fit()
+        return line if line is not None else (0.0, self.seconds_per_token)
 
     def deadline(self, new_tokens: int, base_s: float) -> float:
         """Seconds a leg computing `new_tokens` (started now) may take: `base_s` plus
@@ -66,6 +80,40 @@ class LegPace:
         stands in for the pace until then)."""
         pace = self.seconds_per_token if self.seconds_per_token is not None else seconds_per_token
         return (pace or 0.0) * (self.tokens_in_flight + new_tokens)
+
+
+class LineFit:
+    """`seconds = fixed + per_token * tokens`, fitted to legs as they end: moving averages
+    of the tokens, seconds and their products, so that old legs fade as the load changes."""
+
+    MIN_LEGS = 8
+    SPREAD = 0.25
+    """The legs' tokens must spread by this share of their mean before a line is fitted."""
+
+    def __init__(self, weight: float = 0.1):
+        self._weight = weight
+        self._legs = 0
+        self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        w = 1.0 if self._legs == 0 else self._weight
+        self._legs += 1
+        self._x += w * (tokens - self._x)
+        self._y += w * (seconds - self._y)
+        self._xx += w * (tokens * tokens - self._xx)
+        self._xy += w * (tokens * seconds - self._xy)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token), or None: too few legs, too little spread, or no line with a
+        positive cost per token and a fixed cost of at least 0."""
+        var = self._xx - self._x * self._x
+        if self._legs < self.MIN_LEGS or var <= (self.SPREAD * self._x) ** 2:
+            return None
+        per_token = (self._xy - self._x * self._y) / var
+        fixed = self._y - per_token * self._x
+        if per_token <= 0 or fixed < 0:
+            return None
+        return fixed, per_token
 
 
 class LocalLeg:
@@ -106,14 +154,46 @@ class Ewma:
         self.value = value if old is None else old + self._weight * (value - old)
 
 
+class LateTokens:
+    """Of the last `window` outputs streamed from one decode replica (a token, or the
+    tokens of one step), those that came later than the ITL target after the previous
+    one; and how many more may (`budget`). The target is a quantile (p99), so a
+    `fraction` of them may be late: placement spends that on decode-local turns that
+    stretch the streams' steps, and stops when the streams come late on their own."""
+
+    def __init__(self, target_s: float, fraction: float, window: int = 2000):
+        self.target_s = target_s
+        self.fraction = fraction
+        self._late: deque[bool] = deque(maxlen=window)
+        self.late = 0
+
+    def observe(self, gap_s: float) -> None:
+        """An output came `gap_s` after the previous one."""
+        late = gap_s > self.target_s
+        if len(self._late) == self._late.maxlen:
+            self.late -= self._late[0]
+        self._late.append(late)
+        self.late += late
+
+    @property
+    def seen(self) -> int:
+        return len(self._late)
+
+    @property
+    def budget(self) -> int:
+        """Outputs that may still come late (negative: more came late than may)."""
+        return math.floor(self.fraction * len(self._late)) - self.late
+
+
 class ReplicaStreams:
     """The answers this ingress has streaming on one decode replica (counted from their
-    first output to their end) and the seconds per token they get lately: the replica's
-    step time under its running batch, as its streams see it."""
+    first output to their end), the seconds per token they get lately (the replica's step
+    time under its running batch, as its streams see it) and those that came late."""
 
-    def __init__(self) -> None:
+    def __init__(self, itl_target_s: float = 0.05, late_fraction: float = 0.005) -> None:
         self.streams = 0
         self.seconds_per_token = Ewma()
+        self.late = LateTokens(itl_target_s, late_fraction)
 
 
 class DecodeStreams:
@@ -121,15 +201,16 @@ class DecodeStreams:
     every decode call of the ingress's turns (`watch` wraps the engine clients the legs
     use), read by `Turns._decode_local`."""
 
-    def __init__(self) -> None:
+    def __init__(self, itl_target_s: float = 0.05, late_fraction: float = 0.005) -> None:
         self.replicas: dict[str, ReplicaStreams] = {}
         self.handoff = Ewma()
         """Seconds from a P/D turn's decode call (reading prefill's blocks) to its first output."""
+        self._itl = (itl_target_s, late_fraction)
 
     def of(self, replica: str) -> ReplicaStreams:
         streams = self.replicas.get(replica)
         if streams is None:
-            streams = self.replicas[replica] = ReplicaStreams()
+            streams = self.replicas[replica] = ReplicaStreams(*self._itl)
         return streams
 
     def watch(self, clients: EngineClients) -> EngineClients:
@@ -157,6 +238,7 @@ class DecodeStreams:
                 elif chunk.token_ids:
                     if counted is not None:
                         counted.seconds_per_token.observe((now - last) / len(chunk.token_ids))
+                        counted.late.observe(now - last)
                     last = now
                 yield chunk, replica
         finally:

@@ -9,19 +9,23 @@ logic: no clock, no I/O, no Ray or vLLM.
 
 The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
 
-* its first token: via prefill in `p * (P + n) + h` (prefill's seconds per token `p`,
-  the tokens of prefill legs in flight `P`, the hand-off `h`: decode's read of the
-  blocks to its first output); via decode in `d * (D + n) + ceil((D + n) / C) * s`
-  (the replica's own pace `d` computing prompts, the tokens of decode-local turns in
-  flight there `D`, its prompt budget per step `C`, and one step of its streams `s`
-  per chunk while it has any);
+* its first token: via prefill in `f + p * (P + n) + h` (prefill's fixed cost `f` and
+  seconds per token `p`, the tokens of prefill legs in flight `P`, the hand-off `h`:
+  decode's read of the blocks to its first output); via decode in `g + d * (D + n) +
+  ceil((D + n) / C) * s` (the replica's own fixed cost `g` and pace `d` computing prompts,
+  the tokens of decode-local turns in flight there `D`, its prompt budget per step `C`, and
+  one step of its streams `s` per chunk while it has any);
 * its streams: each step that computes a chunk of the prompt takes `s + d * min(D + n,
-  C)`; with streams running there it must stay within the ITL target.
+  C)`. A step past the ITL target makes each stream's next output late, once per chunk.
+  The target is a quantile (p99), so a share of the outputs may be late
+  (`transfer.itl_late_fraction`): the replica's recent outputs give a budget
+  (`app.turn.pacing.LateTokens`), and a turn whose late outputs exceed it goes through
+  prefill, as does every turn while the streams there are late beyond their share.
 
 Decode-local when the turn is short (at most `short_tokens`) or comes sooner, and the
-streams stay within target either way; otherwise prefill. Until the replica's own pace
-is measured, prefill's stands in for it and the hand-off is not counted as a saving:
-only a queue on prefill can make decode sooner.
+streams can afford it; otherwise prefill. Until the replica's own pace is measured,
+prefill's stands in for it and the hand-off is not counted as a saving: only a queue on
+prefill can make decode sooner.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class Reason(enum.StrEnum):
     TOO_LONG = "too_long"
     """Prefill: more tokens than decode is ever given."""
     ITL = "itl"
-    """Prefill: computing it on decode would push its streams' steps past the ITL target."""
+    """Prefill: its streams would get more late outputs than their budget (past the ITL target)."""
     LATER = "later"
     """Prefill: its first token comes no later through prefill (or nothing is measured)."""
     IDLE = "idle"
@@ -80,6 +84,8 @@ class PrefillLoad:
     """New tokens of the prefill legs in flight."""
     handoff_s: float | None = None
     """Seconds from a P/D turn's decode call to its first output; None: unmeasured."""
+    fixed_s: float = 0.0
+    """Seconds a leg takes beyond its tokens' (`app.turn.pacing.LegPace.cost`)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,10 @@ class DecodeLoad:
     """Answers it is streaming (past their first token)."""
     seconds_per_step: float | None = None
     """Seconds per generated token of those streams lately (its step time); None: unmeasured."""
+    fixed_s: float = 0.0
+    """Seconds a decode-local turn takes to its first token beyond its tokens'."""
+    late_budget: int = 0
+    """Outputs of its streams that may still come past the ITL target (`LateTokens.budget`)."""
 
 
 @dataclass(frozen=True)
@@ -119,20 +129,24 @@ def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limi
         return Placement(short, Reason.SHORT if short else Reason.NO_REPLICA)
     measured = decode.seconds_per_token is not None
     pace = decode.seconds_per_token if measured else prefill.seconds_per_token
+    fixed = decode.fixed_s if measured else prefill.fixed_s
     tokens = decode.tokens_in_flight + new_tokens
     chunk = min(tokens, limits.chunk_tokens) if limits.chunk_tokens > 0 else tokens
+    steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
     stream_step = step + (pace or 0.0) * chunk
-    if decode.streams > 0 and pace is not None and stream_step > limits.itl_target_s:
-        return Placement(False, Reason.ITL, stream_step_s=stream_step)
+    if decode.streams > 0:
+        late = decode.streams * steps if pace is not None and stream_step > limits.itl_target_s else 0
+        if decode.late_budget < 0 or late > decode.late_budget:
+            return Placement(False, Reason.ITL, stream_step_s=stream_step)
     if new_tokens <= limits.short_tokens:
         return Placement(True, Reason.SHORT, stream_step_s=stream_step)
     if prefill.seconds_per_token is None or pace is None:
         return Placement(False, Reason.LATER)
     handoff = prefill.handoff_s or 0.0
-    on_prefill = prefill.seconds_per_token * (prefill.tokens_in_flight + new_tokens) + handoff
-    steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
-    on_decode = pace * tokens + (steps * step if decode.streams > 0 else 0.0)
+    queued = prefill.tokens_in_flight + new_tokens
+    on_prefill = prefill.fixed_s + prefill.seconds_per_token * queued + handoff
+    on_decode = fixed + pace * tokens + (steps * step if decode.streams > 0 else 0.0)
     if not measured:
         on_decode += handoff  # an unmeasured replica: only prefill's queue is a saving
     sooner = on_decode < on_prefill

@@ -66,7 +66,7 @@ class Turns:
         self._limits = Limits(t.decode_local_tokens, t.decode_local_busy_tokens, itl_s, chunk)
         self._placement = place if t.placement == "priced" else place_static
         """The placement policy (`transfer.placement`) and its limits, fixed by the config."""
-        self.streams = DecodeStreams()
+        self.streams = DecodeStreams(itl_s, t.itl_late_fraction)
         """Per decode replica: the answers streaming there, their pace; P/D hand-offs."""
         self._legs = Legs(cfg, self.streams.watch(clients), self.counts, self.pace, tokenizer.piece)
 
@@ -259,17 +259,19 @@ class Turns:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None
-        prefill = PrefillLoad(
-            self.pace.seconds_per_token, self.pace.tokens_in_flight, self.streams.handoff.value
-        )
+        fixed, per_token = self.pace.cost()
+        prefill = PrefillLoad(per_token, self.pace.tokens_in_flight, self.streams.handoff.value, fixed)
         decode = None
         if replica:
             local, streams = self._local_pace(replica), self.streams.of(replica)
+            fixed, per_token = local.cost()
             decode = DecodeLoad(
-                local.seconds_per_token,
+                per_token,
                 local.tokens_in_flight,
                 streams.streams,
                 streams.seconds_per_token.value,
+                fixed,
+                streams.late.budget,
             )
         placement = self._placement(new_tokens, prefill, decode, self._limits)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
