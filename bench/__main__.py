@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warmup = generate(warm_spec, counter, tag="warmup")
 
-    if prof.name in ("fleet", "fleet-gpu") and not args.url and args.trace is None:
+    if prof.name in ("fleet", "fleet-32k", "fleet-gpu") and not args.url and args.trace is None:
         from bench import fleet
 
         modes = _modes(args.modes or "dp,oneway,bidir", args.api)

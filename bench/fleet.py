@@ -33,7 +33,7 @@ from bench.stats import nearest_rank, ratio
 from bench.traces import to_workload
 from bench.workload import TokenCounter, Workload
 
-LEVELS = {"fleet": (4, 8, 16, 32), "fleet-gpu": (4, 8, 16, 32, 64)}
+LEVELS = {"fleet": (4, 8, 16, 32), "fleet-32k": (4, 8, 16), "fleet-gpu": (4, 8, 16, 32, 64)}
 """Concurrent agents per level, in order, by profile. A mode's ramp stops after the
 first level that misses the target (its goodput is known by then)."""
 ARRIVAL_WINDOW_S = 5.0
@@ -41,7 +41,7 @@ ARRIVAL_WINDOW_S = 5.0
 running at once, not an arrival rate."""
 LONG_TOOL_TOKENS = 1000
 """A turn whose tool result is at least this long counts as a long tool result."""
-BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 1 << 30))
+BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 16000), (16000, 1 << 30))
 """History buckets (prompt tokens) for the per-bucket TTFT table."""
 
 

@@ -394,6 +394,13 @@ def profile(name: str) -> Profile:
                 seed=1,
             ),
         )
+    if name == "fleet-32k":
+        # The fleet workload with histories to 32k tokens (the model's positions): 16 turns at
+        # the median (up to 32), tool results of ~600 tokens (tail to 6k); 2 GiB of KV an engine.
+        fleet = profile("fleet")
+        longer = dict(turns_median=16, turns_max=32, tool_median_tokens=600, tool_max_tokens=6000)
+        trace = replace(fleet.trace, max_history_tokens=32000, **longer)  # type: ignore[type-var,arg-type]
+        return replace(fleet, name="fleet-32k", kv_cache_bytes=2 * GiB, trace=trace)
     if name == "fleet-gpu":
         # The fleet workload at agent sizes for one accelerator (the gpu profile's engines):
         # Codex-like traces, 20 turns at the median, tool results of ~1k tokens with a tail
@@ -429,6 +436,7 @@ PROFILES = (
     "elastic",
     "autoscale",
     "fleet",
+    "fleet-32k",
     "fleet-gpu",
 )
 DP = "dp"

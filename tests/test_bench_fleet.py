@@ -35,9 +35,16 @@ def test_goodput_is_the_best_rate_among_levels_that_meet_the_target():
 
 
 def test_buckets_split_ttft_by_history_and_long_tool_results():
-    records = [rec(0, 1, 0.1, prompt=500), rec(0, 2, 0.3, prompt=2500), rec(1, 1, 0.9, prompt=9000)]
+    records = [
+        rec(0, 1, 0.1, prompt=500),
+        rec(0, 2, 0.3, prompt=2500),
+        rec(1, 1, 0.9, prompt=9000),
+        rec(1, 2, 1.5, prompt=30000),
+    ]
     out = buckets(records, long_tools={(0, 2)})
-    assert out["0-2k"]["turns"] == 1 and out["2-4k"]["ttft_p50_s"] == 0.3 and out["8k+"]["ttft_p90_s"] == 0.9
+    assert out["0-2k"]["turns"] == 1 and out["2-4k"]["ttft_p50_s"] == 0.3
+    assert out["8-16k"]["ttft_p90_s"] == 0.9
+    assert out["16k+"] == {"turns": 1, "ttft_p50_s": 1.5, "ttft_p90_s": 1.5}
     assert out["4-8k"]["turns"] == 0 and out["4-8k"]["ttft_p50_s"] is None
     assert out["long_tool"] == {"turns": 1, "ttft_p50_s": 0.3, "ttft_p90_s": 0.3}
 

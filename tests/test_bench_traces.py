@@ -144,3 +144,16 @@ def test_histories_stay_within_the_context_asked_for():
     for s in shape.generate().sessions:
         assert s.system_tokens + sum(t.tokens + t.answer_tokens for t in s.turns) <= 12000
         assert len(s.turns) >= 1
+
+
+def test_the_long_fleet_profile_reaches_32k_histories_within_the_models_positions():
+    from bench.fleet import LEVELS
+    from bench.profiles import profile
+
+    prof = profile("fleet-32k")
+    assert prof.trace is not None and prof.name in LEVELS
+    longest = max(
+        s.system_tokens + sum(t.tokens + t.answer_tokens for t in s.turns)
+        for s in prof.trace.generate().sessions
+    )
+    assert 16000 < longest <= 32000 <= prof.max_model_len

@@ -344,6 +344,28 @@ async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unle
     assert streams.streams == 3  # the turn's own stream came and went
 
 
+async def test_a_new_session_is_priced_on_the_least_loaded_replica_and_goes_there(model_dir):
+    from app.turn.pacing import LegPace
+    from tests.test_turns import P1, FakeTokenizer, Rig
+
+    rig = Rig(model_dir, **{"transfer.decode_local_tokens": 4})
+    assert len(FakeTokenizer().encode(P1)) > 4  # longer than "short"
+    # Nothing measured: a long first prompt goes through prefill, as before.
+    await rig.turn(text=P1, session="a")
+    assert rig.turns.counts["placed_later"] == 1 and len(rig.engines.prefill_requests) == 1
+    # Both replicas measured computing alone as fast as prefill; decode-0 has a stream running.
+    rig.turns.pace.seconds_per_token = 0.001
+    for replica in rig.engines.replica_ids:
+        rig.turns.local_pace[replica] = LegPace()
+        rig.turns.local_pace[replica].seconds_per_token = 0.001
+    rig.turns.streams.handoff.value = 0.030
+    rig.turns.streams.of("decode-0").streams = 1
+    _, _, r = await rig.turn(text=P1, session="b")
+    assert rig.turns.counts["placed_sooner"] == 1 and len(rig.engines.prefill_requests) == 1
+    assert r.decode_replica == "decode-1"  # the idle one, named as the preferred replica
+    assert rig.turns.local_pace["decode-1"].tokens_in_flight == 0  # its leg was paced and ended
+
+
 def test_placement_choices_are_exported_by_route_and_reason():
     from app.api import metrics
     from tests.test_metrics import recording

@@ -67,7 +67,7 @@ class FakeEngines:
     def __init__(
         self, decode_replicas=("decode-0", "decode-1"), *, keeps_kv=True, eos=False, stop_string=False
     ):
-        self.decode_replicas = list(decode_replicas)
+        self.replica_ids = list(decode_replicas)
         self.dead: set[str] = set()
         self.stopping: set[str] = set()
         """Replicas out of the running set that still live (Serve drains them)."""
@@ -152,7 +152,7 @@ class FakeEngines:
         return out
 
     def _pick(self, request: EngineRequest) -> str:
-        alive = [r for r in self.decode_replicas if r not in self.dead]
+        alive = [r for r in self.replica_ids if r not in self.dead]
         if request.preferred_replica in alive:
             return request.preferred_replica
         alive = [r for r in alive if r not in request.avoid_replicas] or alive
@@ -238,10 +238,13 @@ class FakeEngines:
     def decode_alive(self, replica_id: str) -> bool | None:
         if replica_id in self.dead:
             return False
-        return True if replica_id in self.decode_replicas else None
+        return True if replica_id in self.replica_ids else None
 
     async def decode_stopping(self, replica_id: str) -> bool:
         return replica_id in self.stopping
+
+    def decode_replicas(self) -> frozenset[str] | None:
+        return frozenset(r for r in self.replica_ids if r not in self.dead)
 
 
 class LocalStore:
@@ -1499,7 +1502,7 @@ async def test_a_burst_stays_on_prefill_past_the_busy_limit(model_dir):
 async def test_a_burst_stays_on_prefill_when_decode_would_answer_later(model_dir):
     rig = Rig(model_dir, PacedEngines(0.002), max_model_len=1024)
     # The decode replicas have been measured computing alone far slower than prefill.
-    for replica in rig.engines.decode_replicas:
+    for replica in rig.engines.replica_ids:
         rig.turns.local_pace[replica] = LegPace()
         rig.turns.local_pace[replica].seconds_per_token = 1.0
     r1, r2, _ = await two_sessions_then_a_burst(rig)

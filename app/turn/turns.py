@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -86,7 +87,7 @@ class Turns:
             sampling = self._fit(turn, prompt_ids)
             history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
-            route = self._route(prompt_ids, history, conv)
+            route, replica = self._route(prompt_ids, history, conv)
             legged = Prefilled()
             if route is Route.PREFILL:
                 legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings)
@@ -100,7 +101,7 @@ class Turns:
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
                 kv_params=self._decode_params(route, legged),
-                preferred_replica=conv.decode_replica if conv else None,
+                preferred_replica=replica,
                 cache_salt=turn.cache_salt,
             )
             answer = Answer(turn.stream, len(prompt_ids), route is not Route.PREFILL, legged.cached)
@@ -234,31 +235,36 @@ class Turns:
         self.counts[reason.counter] += 1
         return None, reason
 
-    def _route(self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None) -> Route:
-        """Where the turn is computed. `Route.LOCAL` in bidir when the session's decode
-        replica's prefix cache holds the history (or there is none) and `app.turn.placement`
-        chooses it from this ingress's measured loads (`transfer.placement`); each choice
-        is counted as `placed_<reason>`. Else through prefill, when there is one."""
-        placement = self._placement_of(prompt_ids, history, conv)
+    def _route(
+        self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
+    ) -> tuple[Route, str | None]:
+        """Where the turn is computed, and the decode replica it prefers. `Route.LOCAL` in
+        bidir when the session's decode replica's prefix cache holds the history (or there
+        is none) and `app.turn.placement` chooses it from this ingress's measured loads
+        (`transfer.placement`); each choice is counted as `placed_<reason>`. A session with
+        no decode replica yet is priced on the one this ingress sees least loaded, and goes
+        there when it stays on decode. Else through prefill, when there is one."""
+        replica = conv.decode_replica if conv is not None else None
+        placement, priced_on = self._placement_of(prompt_ids, history, replica)
         if placement is not None and placement.local:
             self.counts[TurnCount.DECODE_LOCAL] += 1
             if placement.reason in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
                 self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
-            return Route.LOCAL
-        return Route.PREFILL if self._cfg.disaggregated else Route.DECODE
+            return Route.LOCAL, priced_on
+        return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica
 
     def _placement_of(
-        self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
-    ) -> Placement | None:
+        self, prompt_ids: Sequence[int], history: KVHandle | None, replica: str | None
+    ) -> tuple[Placement | None, str | None]:
         if not self._cfg.reuses_kv:
-            return None
-        replica = conv.decode_replica if conv is not None else None
+            return None, replica
         if history is None:
             new_tokens = len(prompt_ids)
+            replica = replica or self._least_loaded_decode()
         elif self._cfg.decode.enable_prefix_caching and replica:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
-            return None
+            return None, replica
         fixed, per_token = self.pace.cost()
         prefill = PrefillLoad(per_token, self.pace.tokens_in_flight, self.streams.handoff.value, fixed)
         decode = None
@@ -275,7 +281,21 @@ class Turns:
             )
         placement = self._placement(new_tokens, prefill, decode, self._limits)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
-        return placement
+        return placement, replica
+
+    def _least_loaded_decode(self) -> str | None:
+        """Of the running decode replicas, one with the fewest streams and prompt tokens in
+        flight from this ingress (at random among equals); None while none is known."""
+        running = self._clients.decode_replicas()
+        if not running:
+            return None
+
+        def load(replica: str) -> tuple[int, int]:
+            pace = self.local_pace.get(replica)
+            return self.streams.of(replica).streams, pace.tokens_in_flight if pace else 0
+
+        least = min(load(r) for r in running)
+        return random.choice(sorted(r for r in running if load(r) == least))
 
     def _decode_params(self, route: Route, legged: Prefilled) -> dict | None:
         """Decode's transfer params: compute over the history it holds (`Route.LOCAL`),
