@@ -61,6 +61,7 @@ class Reader:
         self.record.decode_replica = kv.get("decode_replica")
         self.record.spliced = kv.get("spliced")
         self.record.timings = kv.get("timings")
+        self.record.placement = kv.get("placement")
 
 
 class Dialog:

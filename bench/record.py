@@ -30,6 +30,8 @@ class TurnRecord:
     miss_reason: str | None = None
     decode_replica: str | None = None
     spliced: bool | None = None
+    placement: str | None = None
+    """Why the app computed the turn where it did (kvturn.placement: short, sooner, itl, ...)."""
     timings: dict | None = None
     """The app's breakdown of the turn (kvturn.timings): session_s, prefill_s, first_token_s."""
     finish_reason: str | None = None

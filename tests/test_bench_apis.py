@@ -57,6 +57,7 @@ def kvturn(n: int) -> dict:
         "reused_from_decode": 900 * (n - 1),
         "miss_reason": "new_session" if n == 1 else None,
         "spliced": False,
+        "placement": "short" if n > 1 else "later",
         "timings": {"first_token_s": 0.02, "prefill_s": 0.01},
     }
 
@@ -223,6 +224,7 @@ async def test_every_api_records_timing_and_tokens(api):
         else:
             assert record.reused_from_decode == 900 * (n - 1)
             assert record.timings == kvturn(n)["timings"]
+            assert record.placement == kvturn(n)["placement"]
 
 
 async def test_chat_sends_the_whole_history_with_the_session_header():

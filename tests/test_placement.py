@@ -194,14 +194,15 @@ def test_legs_of_one_size_give_no_line_and_the_pace_stands_in():
 
 def test_late_outputs_give_a_budget_over_a_window():
     late = LateTokens(target_s=50 * MS, fraction=0.01, window=400)
+    assert late.budget == 4  # 1% of the window: outputs not seen yet count as on time
     for _ in range(300):
         late.observe(10 * MS)
-    assert late.budget == 3  # 1% of 300, none late yet
+    assert late.budget == 4 and late.seen == 300
     late.observe(80 * MS)
-    assert late.late == 1 and late.budget == 2  # floor(3.01) - 1
+    assert late.late == 1 and late.budget == 3
     for _ in range(5):
         late.observe(60 * MS)
-    assert late.budget == 3 - 6
+    assert late.budget == 4 - 6
     for _ in range(400):  # the window moves past them
         late.observe(10 * MS)
     assert late.late == 0 and late.seen == 400 and late.budget == 4
@@ -333,6 +334,9 @@ async def test_a_short_turn_skips_a_replica_whose_streams_are_at_the_target_unle
     streams = rig.turns.streams.of(replica)
     streams.streams = 3
     streams.seconds_per_token.value = 0.060
+    for _ in range(20):  # their outputs came late: more than their share of the window
+        streams.late.observe(0.060)
+    assert streams.late.budget < 0
     await rig.turn(text=P1 + text1 + USER2)
     counts = rig.turns.counts
     if policy == "priced":
@@ -351,8 +355,9 @@ async def test_a_new_session_is_priced_on_the_least_loaded_replica_and_goes_ther
     rig = Rig(model_dir, **{"transfer.decode_local_tokens": 4})
     assert len(FakeTokenizer().encode(P1)) > 4  # longer than "short"
     # Nothing measured: a long first prompt goes through prefill, as before.
-    await rig.turn(text=P1, session="a")
+    _, _, first = await rig.turn(text=P1, session="a")
     assert rig.turns.counts["placed_later"] == 1 and len(rig.engines.prefill_requests) == 1
+    assert first.placement == "later"
     # Both replicas measured computing alone as fast as prefill; decode-0 has a stream running.
     rig.turns.pace.seconds_per_token = 0.001
     for replica in rig.engines.replica_ids:
@@ -363,6 +368,7 @@ async def test_a_new_session_is_priced_on_the_least_loaded_replica_and_goes_ther
     _, _, r = await rig.turn(text=P1, session="b")
     assert rig.turns.counts["placed_sooner"] == 1 and len(rig.engines.prefill_requests) == 1
     assert r.decode_replica == "decode-1"  # the idle one, named as the preferred replica
+    assert r.placement == "sooner"
     assert rig.turns.local_pace["decode-1"].tokens_in_flight == 0  # its leg was paced and ended
 
 

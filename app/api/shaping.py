@@ -34,6 +34,7 @@ def reuse(result: TurnResult) -> dict:
         "reused_from_decode": result.reused_from_decode,
         "miss_reason": result.miss_reason,
         "spliced": result.spliced,
+        "placement": result.placement,
         "timings": result.timings,
     }
 

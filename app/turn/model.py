@@ -110,6 +110,9 @@ class TurnResult:
     first token; decode's includes reading the KV it lacks) and their `*_queue_s` parts.
     What `first_token_s` has beyond `session_s` and the two engine spans is transport
     (Serve calls, scheduling, serialization)."""
+    placement: str | None = None
+    """Why the turn was computed where it was (`app.turn.placement.Reason`: `short`,
+    `sooner`, `itl`, ...); None where no choice was made (a mode without P/D reuse)."""
 
     def __post_init__(self) -> None:
         # A plain string, not the app's `MissReason`: results travel (stored responses go

@@ -158,8 +158,10 @@ class LateTokens:
     """Of the last `window` outputs streamed from one decode replica (a token, or the
     tokens of one step), those that came later than the ITL target after the previous
     one; and how many more may (`budget`). The target is a quantile (p99), so a
-    `fraction` of them may be late: placement spends that on decode-local turns that
-    stretch the streams' steps, and stops when the streams come late on their own."""
+    `fraction` of a window's outputs may be late: placement spends that on decode-local
+    turns that stretch the streams' steps, and stops when the streams come late on their
+    own. Outputs not seen yet count as on time: a replica starts with a whole window's
+    budget, so that one late output early on does not shut it for a window."""
 
     def __init__(self, target_s: float, fraction: float, window: int = 2000):
         self.target_s = target_s
@@ -182,7 +184,7 @@ class LateTokens:
     @property
     def budget(self) -> int:
         """Outputs that may still come late (negative: more came late than may)."""
-        return math.floor(self.fraction * len(self._late)) - self.late
+        return math.floor(self.fraction * (self._late.maxlen or 0)) - self.late
 
 
 class ReplicaStreams:

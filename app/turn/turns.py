@@ -87,7 +87,7 @@ class Turns:
             sampling = self._fit(turn, prompt_ids)
             history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
-            route, replica = self._route(prompt_ids, history, conv)
+            route, replica, placed = self._route(prompt_ids, history, conv)
             legged = Prefilled()
             if route is Route.PREFILL:
                 legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings)
@@ -141,6 +141,7 @@ class Turns:
                 spliced=spliced,
                 decode_replica=answer.replica,
                 timings={k: round(v, 4) for k, v in timings.items()},
+                placement=placed,
             )
         except BaseException:
             if outcome is TurnOutcome.PULLED or (claim and claim.handle):
@@ -237,8 +238,9 @@ class Turns:
 
     def _route(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
-    ) -> tuple[Route, str | None]:
-        """Where the turn is computed, and the decode replica it prefers. `Route.LOCAL` in
+    ) -> tuple[Route, str | None, str | None]:
+        """Where the turn is computed, the decode replica it prefers, and why (the
+        placement's reason; None where no choice was made). `Route.LOCAL` in
         bidir when the session's decode replica's prefix cache holds the history (or there
         is none) and `app.turn.placement` chooses it from this ingress's measured loads
         (`transfer.placement`); each choice is counted as `placed_<reason>`. A session with
@@ -246,12 +248,13 @@ class Turns:
         there when it stays on decode. Else through prefill, when there is one."""
         replica = conv.decode_replica if conv is not None else None
         placement, priced_on = self._placement_of(prompt_ids, history, replica)
+        reason = str(placement.reason) if placement is not None else None
         if placement is not None and placement.local:
             self.counts[TurnCount.DECODE_LOCAL] += 1
             if placement.reason in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
                 self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
-            return Route.LOCAL, priced_on
-        return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica
+            return Route.LOCAL, priced_on, reason
+        return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica, reason
 
     def _placement_of(
         self, prompt_ids: Sequence[int], history: KVHandle | None, replica: str | None
