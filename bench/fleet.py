@@ -149,6 +149,7 @@ def run_mode(
             )
             time.sleep(1.0)
             after = {r: engine_counters(app, r) for r in roles}
+            long_tools = _long_tool_turns(workload)
             computed = sum(
                 (after[r] or {}).get("prompt_tokens_computed", 0)
                 - (before[r] or {}).get("prompt_tokens_computed", 0)
@@ -158,7 +159,9 @@ def run_mode(
                 "agents": agents,
                 **level_stats(records, wall, slo),
                 "engine_tokens_computed": computed,
-                "buckets": buckets(records, _long_tool_turns(workload)),
+                "buckets": buckets(records, long_tools),
+                "long_tool_hops": long_tool_hops(records, long_tools),
+                "placements": placements(records),
             }
             levels.append(level)
             log(f"[{mode}] {agents} agents: {level}")
@@ -177,8 +180,9 @@ def run_mode(
 
 
 def ratios(modes: dict[str, dict]) -> dict[str, Any]:
-    """Each bidir mode against dp and oneway: goodput, ITL p99 at the highest level both
-    ran, TTFT p50 per history bucket."""
+    """Each bidir mode against dp and oneway: goodput, ITL p99 and TTFT p50 per history
+    bucket at the highest level both ran, and TTFT p50 and p90 per bucket at the highest
+    level both met the target (`..._met`)."""
     out: dict[str, Any] = {}
     for mine in ("bidir", "bidir-pd"):
         run_b = modes.get(mine)
@@ -203,7 +207,49 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
                 name: ratio(v["ttft_p50_s"], o["buckets"][name]["ttft_p50_s"])
                 for name, v in b["buckets"].items()
             }
+            met = [lv["agents"] for lv in run_b["levels"] if lv["meets_slo"] and lv["agents"] in both]
+            met = [a for a in met if next(lv for lv in run["levels"] if lv["agents"] == a)["meets_slo"]]
+            if met:
+                b = next(lv for lv in run_b["levels"] if lv["agents"] == max(met))
+                o = next(lv for lv in run["levels"] if lv["agents"] == max(met))
+                for q in ("p50", "p90"):
+                    out[f"ttft_{q}_{mine}_over_{other}_by_bucket_at_{max(met)}_met"] = {
+                        name: ratio(v[f"ttft_{q}_s"], o["buckets"][name][f"ttft_{q}_s"])
+                        for name, v in b["buckets"].items()
+                    }
     return out
+
+
+def long_tool_hops(records: list[TurnRecord], long_tools: set[tuple[int, int]]) -> dict[str, Any]:
+    """Where the time to first token of the turns with long tool results went, by where
+    they were computed (`decode`: on the session's decode engine or a single engine;
+    `prefill`: through prefill): their number, and the medians of TTFT and of each hop
+    (`app.api.metrics.turn_hops`)."""
+    from app.api.metrics import turn_hops
+
+    out: dict[str, Any] = {}
+    for r in records:
+        if not r.ok or r.ttft_s is None or (r.session, r.turn) not in long_tools:
+            continue
+        route = "prefill" if "prefill_s" in (r.timings or {}) else "decode"
+        group = out.setdefault(route, {"turns": 0, "ttft_s": [], "hops": {}})
+        group["turns"] += 1
+        group["ttft_s"].append(r.ttft_s)
+        for hop, seconds in turn_hops(r.timings or {}).items():
+            group["hops"].setdefault(hop, []).append(seconds)
+    for group in out.values():
+        group["ttft_s"] = nearest_rank(group["ttft_s"], 0.5)
+        group["hops"] = {hop: nearest_rank(v, 0.5) for hop, v in group["hops"].items()}
+    return out
+
+
+def placements(records: list[TurnRecord]) -> dict[str, int]:
+    """The app's placement reasons (`kvturn.placement`) of a level's turns, counted."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.placement:
+            counts[r.placement] = counts.get(r.placement, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def markdown(results: dict) -> str:
@@ -254,6 +300,21 @@ def markdown(results: dict) -> str:
         ]
         for mode, lv in at.items():
             lines.append(f"| {mode} | " + " | ".join(f(lv["buckets"][n]["ttft_p50_s"]) for n in names) + " |")
+        lines += [
+            "",
+            f"Turns with long tool results at {common} agents, medians (s):",
+            "",
+            "| mode | computed | turns | TTFT | hops |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for mode, lv in at.items():
+            for route, g in sorted(lv.get("long_tool_hops", {}).items()):
+                hops = ", ".join(f"{h} {f(v)}" for h, v in g["hops"].items())
+                lines.append(f"| {mode} | {route} | {g['turns']} | {f(g['ttft_s'])} | {hops} |")
+    for mode, run in results["modes"].items():
+        for lv in run["levels"]:
+            if lv.get("placements"):
+                lines.append(f"\n{mode} at {lv['agents']} agents, placements: {lv['placements']}")
     lines += ["", "Ratios: " + json.dumps(results["ratios"])]
     return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.fleet import SLO, buckets, goodput, level_stats, markdown, ratios
 from bench.record import TurnRecord
 
@@ -50,7 +52,10 @@ def test_buckets_split_ttft_by_history_and_long_tool_results():
 
 
 def _run(rate_2: float, rate_4: float, meets_4: bool, itl: float, ttft: float) -> dict:
-    b = {"0-2k": {"ttft_p50_s": ttft}, "long_tool": {"ttft_p50_s": ttft * 2}}
+    b = {
+        "0-2k": {"ttft_p50_s": ttft, "ttft_p90_s": ttft * 3},
+        "long_tool": {"ttft_p50_s": ttft * 2, "ttft_p90_s": ttft * 4},
+    }
     levels = [
         {"agents": 2, "turns_per_s": rate_2, "meets_slo": True, "itl_p99_s": itl, "buckets": b},
         {"agents": 4, "turns_per_s": rate_4, "meets_slo": meets_4, "itl_p99_s": itl, "buckets": b},
@@ -68,6 +73,10 @@ def test_ratios_of_bidir_against_dp_and_oneway():
     assert r["goodput_bidir_over_dp"] == 2.0 and r["goodput_bidir_over_oneway"] == 4.0
     assert r["itl_p99_bidir_over_dp_at_4"] == 0.5
     assert r["ttft_p50_bidir_over_oneway_by_bucket_at_4"] == {"0-2k": 0.25, "long_tool": 0.25}
+    # At the highest level both met (2: dp and oneway miss at 4).
+    assert r["ttft_p90_bidir_over_oneway_by_bucket_at_2_met"] == {"0-2k": 0.25, "long_tool": 0.25}
+    assert r["ttft_p50_bidir_over_dp_by_bucket_at_2_met"] == {"0-2k": 1.0, "long_tool": 1.0}
+    assert not any(k.endswith("_at_4_met") for k in r)
     table = markdown(
         {
             "slo": {"ttft_p90_s": 2.0, "itl_p99_s": 0.5},
@@ -95,3 +104,30 @@ def test_every_bidir_mode_is_compared_and_a_ramp_stops_at_the_first_miss():
     from bench.fleet import LEVELS
 
     assert LEVELS["fleet"] == tuple(sorted(LEVELS["fleet"]))  # ramps go up
+
+
+def test_long_tool_results_are_split_by_where_they_were_computed_and_placements_counted():
+    from bench.fleet import long_tool_hops, placements
+
+    local = rec(0, 2, 0.3)
+    local.timings = {"store_s": 0.01, "session_s": 0.02, "first_token_s": 0.28, "decode_engine_s": 0.25}
+    local.placement = "sooner"
+    hop = rec(1, 2, 0.5)
+    hop.timings = {
+        "store_s": 0.01,
+        "session_s": 0.02,
+        "prefill_engine_s": 0.3,
+        "prefill_s": 0.35,
+        "decode_engine_s": 0.05,
+        "first_token_s": 0.45,
+    }
+    hop.placement = "itl"
+    short = rec(1, 3, 0.1)  # not a long tool result
+    short.placement = "short"
+    out = long_tool_hops([local, hop, short], long_tools={(0, 2), (1, 2)})
+    assert out["decode"]["turns"] == 1 and out["decode"]["ttft_s"] == 0.3
+    assert out["decode"]["hops"]["decode_engine"] == 0.25 and "prefill_engine" not in out["decode"]["hops"]
+    assert out["prefill"]["hops"]["prefill_engine"] == 0.3
+    assert out["prefill"]["hops"]["prefill_transport"] == pytest.approx(0.03)
+    assert out["prefill"]["hops"]["decode_transport"] == pytest.approx(0.05)
+    assert placements([local, hop, short]) == {"itl": 1, "short": 1, "sooner": 1}
