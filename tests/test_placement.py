@@ -194,15 +194,15 @@ def test_legs_of_one_size_give_no_line_and_the_pace_stands_in():
 
 def test_late_outputs_give_a_budget_over_a_window():
     late = LateTokens(target_s=50 * MS, fraction=0.01, window=400)
-    assert late.budget == 4  # 1% of the window: outputs not seen yet count as on time
+    assert late.budget == 0  # nothing earned yet
     for _ in range(300):
         late.observe(10 * MS)
-    assert late.budget == 4 and late.seen == 300
+    assert late.budget == 3 and late.seen == 300  # 1% of what was seen, none late
     late.observe(80 * MS)
-    assert late.late == 1 and late.budget == 3
+    assert late.late == 1 and late.budget == 2  # floor(3.01) - 1
     for _ in range(5):
         late.observe(60 * MS)
-    assert late.budget == 4 - 6
+    assert late.budget == 3 - 6
     for _ in range(400):  # the window moves past them
         late.observe(10 * MS)
     assert late.late == 0 and late.seen == 400 and late.budget == 4

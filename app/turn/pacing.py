@@ -160,8 +160,9 @@ class LateTokens:
     one; and how many more may (`budget`). The target is a quantile (p99), so a
     `fraction` of a window's outputs may be late: placement spends that on decode-local
     turns that stretch the streams' steps, and stops when the streams come late on their
-    own. Outputs not seen yet count as on time: a replica starts with a whole window's
-    budget, so that one late output early on does not shut it for a window."""
+    own. The budget grows with the outputs seen: a replica earns its share before it
+    spends it (a window's budget up front, spent at once, can miss a p99 taken over fewer
+    outputs than a window)."""
 
     def __init__(self, target_s: float, fraction: float, window: int = 2000):
         self.target_s = target_s
@@ -184,7 +185,7 @@ class LateTokens:
     @property
     def budget(self) -> int:
         """Outputs that may still come late (negative: more came late than may)."""
-        return math.floor(self.fraction * (self._late.maxlen or 0)) - self.late
+        return math.floor(self.fraction * len(self._late)) - self.late
 
 
 class ReplicaStreams:
