@@ -4,11 +4,12 @@ conserving tokens and blocks."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import simpy
 
-from bench.sim.costs import EngineCost, Link, blocks, fit_token_s, gpu_cost
+from bench.sim.costs import EngineCost, Link, blocks, fit_decode, fit_prefill, gpu_cost, least_squares
 from bench.sim.engine import Engine, Job
 
 COST = EngineCost(
@@ -38,10 +39,57 @@ def test_link_and_blocks():
     assert blocks(0, 32) == 0 and blocks(1, 32) == 1 and blocks(64, 32) == 2 and blocks(65, 32) == 3
 
 
-def test_fit_recovers_the_per_token_cost():
-    truth = EngineCost(0.005, 2e-4, 2e-4 * 1e-3, 0.0, 0.0, 4096)
-    points = [(n, c, truth.step_s + truth.prefill_s(n, c)) for n, c in ((300, 1000), (1000, 0), (2000, 4000))]
-    assert fit_token_s(points, truth.step_s, 1e-3) == pytest.approx(2e-4)
+def test_a_prefill_chunk_pays_its_fixed_cost_once_per_step():
+    chunked = replace(COST, chunk_s=0.002)
+    assert chunked.step(0, 0, [(100, 0), (50, 0)]) == pytest.approx(
+        COST.step(0, 0, [(100, 0), (50, 0)]) + 0.004
+    )
+    assert chunked.step(3, 900) == COST.step(3, 900)  # decode-only steps do not
+    assert chunked.cold_prefill_s(1200) == pytest.approx(COST.cold_prefill_s(1200) + 3 * 0.002)
+
+
+GRID = [(n, c) for n in (64, 256, 1024) for c in (0, 2048, 6144, 12288, 24576)]
+
+
+def test_fit_prefill_recovers_the_fixed_dense_attention_and_context_costs():
+    truth = EngineCost(0.006, 4e-5, 3e-9, 0.0, 0.0, 2048, chunk_s=0.004, chunk_ctx_s=1e-6)
+    points = [(n, c, truth.step(0, 0, [(n, c)])) for n, c in GRID]
+    assert fit_prefill(points) == pytest.approx((0.010, 4e-5, 3e-9, 1e-6))
+
+
+def test_a_chunk_reads_its_context_once():
+    reading = replace(COST, chunk_ctx_s=1e-6)
+    assert reading.prefill_s(100, 5000) == pytest.approx(COST.prefill_s(100, 5000) + 5e-3)
+    assert reading.prefill_s(0, 5000) == 0.0
+    # Chunked, a cold prompt reads what the chunks before it computed.
+    assert reading.cold_prefill_s(1200) == pytest.approx(COST.cold_prefill_s(1200) + 1e-6 * (512 + 1024))
+
+
+def test_fit_prefill_keeps_short_legs_within_their_noise():
+    # Relative least squares: 5% noise on the long legs leaves the short ones close.
+    truth = EngineCost(0.008, 3e-5, 2e-9, 0.0, 0.0, 2048)
+    points = [(n, c, (truth.step_s + truth.prefill_s(n, c)) * (1.05 if n == 1024 else 1.0)) for n, c in GRID]
+    fitted = fit_prefill(points)
+    model = EngineCost(0.0, fitted[1], fitted[2], 0.0, 0.0, 2048, chunk_s=fitted[0], chunk_ctx_s=fitted[3])
+    for n, c, seconds in points:
+        if n == 64:
+            assert model.step(0, 0, [(n, c)]) == pytest.approx(seconds, rel=0.05)
+
+
+def test_fits_never_return_a_negative_cost():
+    # Noise that makes longer legs look cheaper: the per-token costs are held at 0.
+    fixed, token_s, attn_s, ctx_s = fit_prefill([(64, 0, 0.020), (256, 0, 0.019), (1024, 0, 0.018)])
+    assert min(fixed, token_s, attn_s, ctx_s) >= 0 and token_s == 0.0 and attn_s == 0.0
+    assert 0.018 <= fixed <= 0.020
+    with pytest.raises(ValueError):
+        least_squares([(1.0, 2.0)], [0.0])
+
+
+def test_fit_decode_recovers_the_step_sequence_and_context_costs():
+    truth = EngineCost(0.006, 0.0, 0.0, 4e-4, 5e-8, 2048)
+    points = [(b, c, truth.step(b, b * c)) for b in (1, 4) for c in (0, 2048, 12288, 24576)]
+    step_s, seq_s, ctx_s = fit_decode(points)
+    assert (step_s, seq_s, ctx_s) == pytest.approx((0.006, 4e-4, 5e-8))
 
 
 def test_gpu_cost_from_published_figures():
@@ -131,3 +179,26 @@ def test_decode_stretches_keep_every_time():
     assert macro.stats.steps == stepwise.stats.steps
     assert macro.stats.busy_s == pytest.approx(stepwise.stats.busy_s)
     assert sum(w for _, w in macro.stats.itl) == sum(w for _, w in stepwise.stats.itl)
+
+
+@pytest.mark.parametrize("macro", [True, False])
+def test_every_stream_output_gap_is_reported_step_by_step(macro):
+    """`on_outputs` hears of every gap the ITL samples hold, one call per step, in
+    stretches too (where the samples keep only the stretch's mean)."""
+    jobs = _load()
+    env = simpy.Environment()
+    engine = Engine(env, COST, "e", 32, macro_steps=macro)
+    heard: list[tuple[float, int]] = []
+    engine.on_outputs = lambda gap, count: heard.append((gap, count))
+    for at, job in jobs:
+        env.process(_send(env, engine, at, job))
+    env.run()
+    assert sum(c for _, c in heard) == sum(w for _, w in engine.stats.itl)
+    assert sum(g * c for g, c in heard) == pytest.approx(sum(g * w for g, w in engine.stats.itl))
+    assert len(heard) == sum(1 for g, _ in heard if g > 0) <= engine.stats.steps
+
+
+def _send(env: simpy.Environment, engine: Engine, at: float, job: Job):
+    yield env.timeout(at)
+    engine.submit(job)
+    yield job.done

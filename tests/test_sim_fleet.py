@@ -39,7 +39,9 @@ def test_every_turn_is_answered_and_the_engines_end_empty(mode):
     trace = SHAPE.generate()
     fleet, run = _run(mode, trace, decode=2 if mode == "dp" else 1)
     assert len(run.turns) == sum(len(s.turns) for s in trace.sessions)
-    assert all(t.ttft_s > 0 and t.end_s >= t.start_s + t.ttft_s - 1e-9 for t in run.turns)
+    # The TTFT counts the ingress's own work (`ingress_s`) past the engine's first token.
+    first = [t.start_s + t.ttft_s - fleet.spec.hw.ingress_s for t in run.turns]
+    assert all(t.ttft_s > 0 and t.end_s >= at - 1e-9 for t, at in zip(run.turns, first, strict=True))
     engines = fleet.prefill + fleet.decode
     assert all(e.idle() and e.blocks_in_use == 0 and e.queued_tokens == 0 for e in engines)
     # What the turns say they computed is what the engines computed.
@@ -105,6 +107,64 @@ def test_placement_is_the_apps():
         lambda: 0.0, policy.transfer_config(decode_local_tokens=0, decode_local_busy_tokens=0), 0
     )
     assert pd.place(1, "d0") is None
+
+
+def test_placement_reads_the_apps_paces_as_the_ingress_does(monkeypatch):
+    """`place` gets prefill's and the replica's (fixed, per token) line fits and the
+    replica's late budget, as `Turns._placement_of` builds them."""
+    now = [0.0]
+    state = policy.PlacementState(lambda: now[0], policy.transfer_config(), 256)
+    for i in range(12):  # legs of 100-1,200 tokens at 0.2 s + 0.1 ms a token
+        tokens = 100 + 100 * i
+        end = state.prefill_leg(tokens)
+        now[0] += 0.2 + 1e-4 * tokens
+        end(tokens)
+    seen = []
+    real = policy.placement.place
+    monkeypatch.setattr(policy.placement, "place", lambda *a: seen.append(a) or real(*a))
+    state.place(100, "d0")
+    _, prefill, decode, limits = seen[-1]
+    assert prefill.fixed_s == pytest.approx(0.2, rel=1e-6)
+    assert prefill.seconds_per_token == pytest.approx(1e-4, rel=1e-6)
+    assert decode.late_budget == state.streams.of("d0").late.budget
+    assert limits.chunk_tokens == 256
+
+
+def test_late_outputs_spend_the_streams_budget():
+    transfer = policy.transfer_config()
+    state = policy.PlacementState(lambda: 0.0, transfer, 256)
+    state.streams.of("d0").streams = 1
+    assert state.place(transfer.decode_local_tokens, "d0") == "short"
+    state.outputs("d0", 2 * transfer.itl_target_ms / 1000, 50)  # 50 late outputs
+    assert state.streams.of("d0").late.budget < 0
+    assert state.place(transfer.decode_local_tokens, "d0") is None  # through prefill (itl)
+    state.outputs("d0", 0.5 * transfer.itl_target_ms / 1000, 100_000)  # on time since
+    assert state.streams.of("d0").late.budget > 0
+    assert state.place(transfer.decode_local_tokens, "d0") == "short"
+
+
+def test_the_engines_report_their_streams_to_placement():
+    fleet, run = _run("bidir", SHAPE.generate())
+    streams = fleet.placement.streams.of("d0")
+    answers = sum(t.answer_tokens for s in SHAPE.generate().sessions for t in s.turns)
+    assert 0 < streams.late.seen <= answers
+    assert streams.seconds_per_token.value is not None and streams.streams == 0
+
+
+def test_a_new_session_is_priced_on_the_least_loaded_replica():
+    state = policy.PlacementState(lambda: 0.0, policy.transfer_config(), 256)
+    state.streams.of("d0").streams = 2
+    state.streams.of("d1").streams = 1
+    assert state.least_loaded(["d0", "d1"]) == "d1"
+    state.local_pace("d1").tokens_in_flight = 300
+    state.streams.of("d1").streams = 2
+    assert state.least_loaded(["d0", "d1"]) == "d0"
+    # Under the priced rule, short first turns stay on decode and spread over both.
+    trace = replace(SHAPE, sessions=8, system_tokens=100, tool_median_tokens=100).generate()
+    fleet, run = _run("bidir", trace, decode=2)
+    firsts = [t for t in run.turns if t.turn == 1]
+    assert all(t.route == "local:short" for t in firsts if t.prompt_tokens <= 512)
+    assert {e.name for e in fleet.decode if e.stats.computed_tokens} == {"d0", "d1"}
 
 
 def test_gpu_turn_through_prefill_pays_the_pull():

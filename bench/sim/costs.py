@@ -7,7 +7,8 @@ the requests waiting for prefill (chunked prefill, as vLLM's scheduler fills a s
 token budget: decodes first, then prefill chunks in arrival order). Its time is
 
     step_s + decode_seq_s * batch + decode_ctx_s * (context tokens the batch reads)
-           + sum over prefill chunks of  new * (token_s + attn_s * (cached + new / 2))
+           + sum over prefill chunks of  chunk_s + chunk_ctx_s * cached
+                                          + new * (token_s + attn_s * (cached + new / 2))
 
 `token_s` is the per-token cost of the dense layers, `attn_s` what a new token pays per
 token of context it attends to (the context grows through a chunk, hence `new / 2`).
@@ -37,12 +38,18 @@ class EngineCost:
     """Per context token the decoding sequences read."""
     chunk_tokens: int
     """Prompt tokens one step computes at most (vLLM's `max_num_batched_tokens`)."""
+    chunk_s: float = 0.0
+    """Per prefill chunk in a step, beyond `step_s`: what a lone prefill leg's fixed time
+    exceeds a decode step's (measured on CPU; 0 on GPU, where no figure gives it)."""
+    chunk_ctx_s: float = 0.0
+    """Per prefill chunk, per cached token of its context: the chunk reads the cached KV
+    once, as a decode step does (measured on CPU; 0 on GPU, folded into `attn_s`)."""
 
     def prefill_s(self, new: int, cached: int = 0) -> float:
         """Compute time of `new` prompt tokens over `cached` tokens already in the cache."""
         if new <= 0:
             return 0.0
-        return new * (self.token_s + self.attn_s * (cached + new / 2.0))
+        return new * (self.token_s + self.attn_s * (cached + new / 2.0)) + self.chunk_ctx_s * cached
 
     def step(self, batch: int, context: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
         """One step: `batch` sequences decoding over `context` tokens in all, and prefill
@@ -51,7 +58,7 @@ class EngineCost:
             self.step_s
             + self.decode_seq_s * batch
             + self.decode_ctx_s * context
-            + sum(self.prefill_s(n, c) for n, c in chunks)
+            + sum(self.chunk_s + self.prefill_s(n, c) for n, c in chunks)
         )
 
     def cold_prefill_s(self, tokens: int) -> float:
@@ -59,7 +66,7 @@ class EngineCost:
         total, done = 0.0, 0
         while done < tokens:
             n = min(self.chunk_tokens, tokens - done)
-            total += self.step_s + self.prefill_s(n, done)
+            total += self.step_s + self.chunk_s + self.prefill_s(n, done)
             done += n
         return total
 
@@ -82,18 +89,78 @@ def blocks(tokens: int, block_size: int) -> int:
     return math.ceil(max(0, tokens) / block_size)
 
 
-def fit_token_s(points: Sequence[tuple[int, int, float]], step_s: float, attn_ratio: float) -> float:
-    """`token_s` that best fits measured single-request prefill legs, least squares.
+def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """(fixed seconds, `token_s`, `attn_s`, `chunk_ctx_s`) that best fit measured prefill legs.
 
-    `points`: (new tokens, cached tokens, seconds) of legs measured alone; each leg is
-    modelled as one step (`step_s`) plus its compute, with `attn_s = attn_ratio * token_s`:
-    seconds - step_s = token_s * new * (1 + attn_ratio * (cached + new / 2))."""
-    xs = [n * (1.0 + attn_ratio * (c + n / 2.0)) for n, c, _ in points]
-    ys = [s - step_s for _, _, s in points]
-    den = sum(x * x for x in xs)
-    if den <= 0:
-        raise ValueError("no calibration points with tokens")
-    return sum(x * y for x, y in zip(xs, ys, strict=True)) / den
+    `points`: (new tokens computed, cached tokens, seconds to the first output) of
+    single requests measured alone (`python -m bench.prefill_cost --grid`); each is
+    modelled as one step of `EngineCost.prefill_s` plus a fixed time:
+    `fixed + new * (token_s + attn_s * (cached + new / 2)) + chunk_ctx_s * cached`.
+    Least squares of the relative error (a 10 ms leg counts as much as a 2 s one), no
+    coefficient below 0."""
+    rows = [(1.0, float(n), n * (c + n / 2.0), float(c)) for n, c, _ in points]
+    fixed, token_s, attn_s, ctx_s = least_squares(rows, [s for *_, s in points])
+    return fixed, token_s, attn_s, ctx_s
+
+
+def fit_decode(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(`step_s`, `decode_seq_s`, `decode_ctx_s`) that best fit measured decode steps.
+
+    `points`: (sequences decoding, context tokens of each, seconds a step) of batches
+    measured alone; each step is modelled as `EngineCost.step` with no prefill:
+    `step_s + decode_seq_s * batch + decode_ctx_s * batch * context`. Least squares of the
+    relative error, no coefficient below 0."""
+    rows = [(1.0, float(b), float(b * c)) for b, c, _ in points]
+    step_s, seq_s, ctx_s = least_squares(rows, [s for *_, s in points])
+    return step_s, seq_s, ctx_s
+
+
+def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple[float, ...]:
+    """Coefficients `x >= 0` minimising the sum of `((row . x - y) / y) ** 2`: the
+    unconstrained solution on each subset of the columns (the others held at 0), the best
+    one whose coefficients are all non-negative. For the few columns the fits have."""
+    if len(rows) != len(ys) or not rows or any(y <= 0 for y in ys):
+        raise ValueError("least squares needs points with positive seconds")
+    width = len(rows[0])
+    scaled = [[v / y for v in row] for row, y in zip(rows, ys, strict=True)]
+    best: tuple[float, tuple[float, ...]] | None = None
+    for mask in range(1, 1 << width):
+        cols = [j for j in range(width) if mask >> j & 1]
+        x = _solve(
+            [[sum(r[i] * r[j] for r in scaled) for j in cols] for i in cols],
+            [sum(r[i] for r in scaled) for i in cols],
+        )
+        if x is None or min(x) < 0:
+            continue
+        full = [0.0] * width
+        for j, v in zip(cols, x, strict=True):
+            full[j] = v
+        err = sum((sum(a * b for a, b in zip(r, full, strict=True)) - 1.0) ** 2 for r in scaled)
+        if best is None or err < best[0] - 1e-15:
+            best = (err, tuple(full))
+    if best is None:
+        raise ValueError("no non-negative fit")
+    return best[1]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """`a x = b` by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b, strict=True)]
+    scale = max((abs(v) for row in a for v in row), default=0.0)
+    for i in range(n):
+        pivot = max(range(i, n), key=lambda r: abs(m[r][i]))
+        if abs(m[pivot][i]) <= 1e-12 * scale:
+            return None
+        m[i], m[pivot] = m[pivot], m[i]
+        for r in range(i + 1, n):
+            f = m[r][i] / m[i][i]
+            for c in range(i, n + 1):
+                m[r][c] -= f * m[i][c]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
 
 
 def gpu_cost(

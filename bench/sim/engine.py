@@ -14,14 +14,15 @@ Bookkeeping the tests check: every prompt token a job brings is computed exactly
 (`computed_tokens`), every answer token decoded exactly once (`decoded_tokens`), and the
 KV blocks of running sequences return to zero when the engine is idle (`blocks_in_use`).
 Inter-token latency is kept as (step seconds, sequences that waited that long) pairs,
-one per step, rather than one sample per token.
+one per step, rather than one sample per token; `on_outputs`, when set, is told the same
+for every step (the ingress's view of its streams' gaps, `bench.sim.policy`).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,9 @@ class Engine:
         self._step = 0
         self._wake: simpy.Event = env.event()
         self.queued_tokens = 0
+        self.on_outputs: Callable[[float, int], None] | None = None
+        """Called after each step with its seconds and the sequences that got an output
+        that long after their previous one."""
         env.process(self._loop())
 
     # -- callers ---------------------------------------------------------------------------
@@ -177,6 +181,9 @@ class Engine:
             if m < k:
                 m += 1
                 yield self.env.timeout(max(0.0, started + elapsed(m) - self.env.now))
+        if self.on_outputs is not None:
+            for j in range(m):
+                self.on_outputs(a + d * (ctx + batch * j), batch)
         self._steps_done(m, elapsed(m), batch)
 
     def _steps_done(self, m: int, seconds: float, batch: int) -> None:
@@ -206,6 +213,8 @@ class Engine:
         st.decoded_tokens += len(self._running)
         if waited:
             st.itl.append((dt, waited))
+            if self.on_outputs is not None:
+                self.on_outputs(dt, waited)
         self._ctx += len(self._running)
         now = self.env.now
         for job in joined:

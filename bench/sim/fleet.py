@@ -135,6 +135,9 @@ class Fleet:
         self.decode = [
             Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk) for i in range(spec.decode)
         ]
+        if spec.mode != "dp":
+            for e in self.decode:
+                e.on_outputs = self._outputs_of(e.name)
         self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size) for e in self.decode}
         self.store = policy.make_store(clock, hw.block_size) if spec.mode in ("bidir", "bidir-pd") else None
         if self.store is not None:
@@ -242,7 +245,14 @@ class Fleet:
         reason = None
         if mode != "oneway":
             new = prompt - history if history and replica is not None else prompt
-            reason = self.placement.place(new, replica.name if replica is not None else None)
+            priced_on = replica.name if replica is not None else None
+            if priced_on is None and self.spec.placement == "priced":
+                # A new session is priced on the least-loaded replica (`Turns._placement_of`;
+                # the static rule, as the CPU fleet study ran it, priced it on none).
+                priced_on = self.placement.least_loaded([e.name for e in self.decode])
+            reason = self.placement.place(new, priced_on)
+            if reason is not None and replica is None:
+                self._affinity[session] = next(e for e in self.decode if e.name == priced_on)
         if reason is not None:
             target = self._decode_of(session)
             job = yield from self._local_leg(target, prompt, prompt - history, answer, record, reason)
@@ -260,7 +270,7 @@ class Fleet:
             yield job.first
             self._first(record, job)
             self.placement.handoff.observe(self.env.now - called)
-        yield from self._stream(target, job, answer)
+        yield from self._stream(target, job)
         if store is not None and claim is not None:
             conv = policy.conversation(session, index, target.name, prompt + answer, hw.block_size)
             store.end_turn(claim.lease_id, outcome, conv, engine_blocks=hw.kv_blocks)
@@ -299,13 +309,13 @@ class Fleet:
         record.route = "prefill" if history else "prefill-recompute"
         return bool(history)
 
-    def _stream(self, target: Engine, job: Job, answer: int) -> TurnProcess:
-        """The answer streams from `target` (counted in its streams) until its last token."""
-        name = target.name
-        self.placement.local_pace(name)
-        self.placement.streams[name] += 1
-        started = self.env.now
+    def _stream(self, target: Engine, job: Job) -> TurnProcess:
+        """The answer streams from `target` (counted in its streams, as `DecodeStreams.stream`
+        counts them) until its last token; the gaps between its outputs come from the engine."""
+        streams = self.placement.streams.of(target.name)
+        streams.streams += 1
         yield job.done
-        self.placement.streams[name] -= 1
-        if answer > 1:
-            self.placement.step_s[name].observe((self.env.now - started) / (answer - 1))
+        streams.streams -= 1
+
+    def _outputs_of(self, replica: str) -> Callable[[float, int], None]:
+        return lambda gap_s, count: self.placement.outputs(replica, gap_s, count)

@@ -3,10 +3,12 @@
 Two hardware sets:
 
 * `cpu_fleet()`: the fleet study's 2-core VM, the embedded model's dimensions
-  (`fleet-qwen3`: 4 layers, hidden 256, 2 KV heads of 64, float32). Fitted from figures
-  measured on this VM class with the same model dimensions in docs/benchmarks.md (the
-  chat and agentic profiles) and the store's own benchmark (docs/store.md), never from
-  the fleet study it is validated against.
+  (`fleet-qwen3`: 4 layers, hidden 256, 2 KV heads of 64, float32). The engine's costs
+  are least-squares fits over a grid of single-engine measurements on this VM
+  (`python -m bench.prefill_cost --grid`: prefill legs by history and new tokens, decode
+  steps by batch and history); the hops, the ingress and NIXL from the chat and agentic
+  profiles in docs/benchmarks.md, the store from its own benchmark (docs/store.md); never
+  from the fleet study it is validated against.
 * `gpu_qwen3_32b(tp, gpu, mfu)`: Qwen3-32B in bf16 on p5en (H200) or p5 (H100) GPUs,
   from the model's published configuration and the GPUs' and EFA's published figures.
   Two figures have no published source and are marked as assumptions; `mfu` is fitted
@@ -18,10 +20,11 @@ Two hardware sets:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.sim.costs import EngineCost, Link, fit_token_s, gpu_cost
+from bench.sim.costs import EngineCost, Link, fit_decode, fit_prefill, gpu_cost
 
 GB = 1e9
 
@@ -62,61 +65,110 @@ class Hardware:
 
 # -- the CPU fleet study's VM ------------------------------------------------------------
 
-CPU_STEP_S = 0.0065
-CPU_DECODE_SEQ_S = 0.0005
-CPU_DECODE_CTX_S = 6e-7
-CPU_ATTN_RATIO = 8e-4
-CPU_PREFILL_POINTS = ((335, 1108, 0.072), (335, 1108, 0.0668))
-"""(new tokens, cached tokens, seconds) of prefill legs measured alone on the embedded
-model: the chat profile through prefill (prefill engine 72 ms) and on decode (decode
-engine 66.8 ms), turns 2-6 of ~335 new tokens over 434-1,782 cached (docs/benchmarks.md,
-"The fixed cost of P/D per turn")."""
+CPU_GRID_COMMAND = (
+    "python -m bench.prefill_cost --grid --model fleet-qwen3 --compiled --reps 3 --batches 1,4,8"
+)
+"""What measured the grid below (results/prefill_cost_grid.json): one engine of the fleet
+study's model and settings (float32, compiled, one OpenMP thread), alone on the 2-core VM
+on 2026-12-06; medians of 3 requests a point."""
+CPU_PREFILL_GRID: tuple[tuple[int, int, float], ...] = (
+    (64, 0, 0.0104),
+    (256, 0, 0.0261),
+    (1024, 0, 0.1063),
+    (64, 2048, 0.021),
+    (256, 2048, 0.0551),
+    (1024, 2048, 0.2155),
+    (64, 6144, 0.0379),
+    (256, 6144, 0.1103),
+    (1024, 6144, 0.4488),
+    (64, 12288, 0.0605),
+    (256, 12288, 0.1865),
+    (1024, 12288, 0.7081),
+    (64, 24576, 0.1195),
+    (256, 24576, 0.3589),
+    (1024, 24576, 1.3382),
+)
+"""(new tokens computed, cached tokens, seconds to the first output) per grid point."""
+CPU_DECODE_GRID: tuple[tuple[int, int, float], ...] = (
+    (1, 0, 0.00448),
+    (4, 0, 0.00494),
+    (8, 0, 0.00582),
+    (1, 2048, 0.00579),
+    (1, 6144, 0.00793),
+    (1, 12288, 0.01095),
+    (1, 24576, 0.01566),
+)
+"""(sequences decoding, context tokens of each, seconds a step): the grid's single
+sequences at each history, and its batches at history 0. In the run above, the batches
+over a history all decoded over one shared history and cost 2-3x less a sequence than
+single ones (most likely its KV served from the CPU's cache), where the fleet's streams
+each read their own: those points are left out. `bench.prefill_cost --grid` now gives
+each sequence its own history."""
 
 
 def cpu_fleet() -> Hardware:
-    token_s = fit_token_s(CPU_PREFILL_POINTS, CPU_STEP_S, CPU_ATTN_RATIO)
+    fixed, token_s, attn_s, chunk_ctx_s = fit_prefill(CPU_PREFILL_GRID)
+    step_s, seq_s, ctx_s = fit_decode(CPU_DECODE_GRID)
     engine = EngineCost(
-        step_s=CPU_STEP_S,
+        step_s=step_s,
         token_s=token_s,
-        attn_s=CPU_ATTN_RATIO * token_s,
-        decode_seq_s=CPU_DECODE_SEQ_S,
-        decode_ctx_s=CPU_DECODE_CTX_S,
+        attn_s=attn_s,
+        decode_seq_s=seq_s,
+        decode_ctx_s=ctx_s,
         chunk_tokens=2048,
+        chunk_s=max(0.0, fixed - step_s),
+        chunk_ctx_s=chunk_ctx_s,
     )
     kv_bytes = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
     doc = "docs/benchmarks.md"
+    grid = f"`{CPU_GRID_COMMAND}`"
+    histories = _spread(c for _, c, _ in CPU_PREFILL_GRID)
+    news = _spread(n for n, _, _ in CPU_PREFILL_GRID)
+    batches = _spread(b for b, _, _ in CPU_DECODE_GRID)
     params = (
         Param(
             "step_s",
-            f"{CPU_STEP_S * 1e3:.1f} ms",
-            f"{doc} chat profile: ITL 7.4-8.5 ms at one stream over 0.4-2k tokens",
+            f"{step_s * 1e3:.2f} ms",
+            f"least squares over the grid's decode steps ({grid}): one sequence over each history, "
+            "1-8 sequences over none",
             "ITL p99 (every mode)",
         ),
         Param(
-            "decode_ctx_s",
-            f"{CPU_DECODE_CTX_S * 1e9:.0f} ns/token",
-            f"{doc} chat profile ITL rising with context (7.4 -> 8.5 ms)",
-            "ITL p99 at long histories",
-        ),
-        Param(
             "decode_seq_s",
-            f"{CPU_DECODE_SEQ_S * 1e3:.1f} ms/seq",
-            f"{doc} agentic profile: ITL 13-25 ms with two streams to ~6k tokens (with decode_ctx_s)",
+            f"{seq_s * 1e3:.3f} ms/seq",
+            f"the same fit: batches of {batches} sequences at history 0",
             "ITL p99 at many agents",
         ),
         Param(
+            "decode_ctx_s",
+            f"{ctx_s * 1e9:.1f} ns/token",
+            f"the same fit: one sequence over histories {histories} tokens",
+            "ITL p99 at long histories",
+        ),
+        Param(
+            "chunk_s",
+            f"{max(0.0, fixed - step_s) * 1e3:.2f} ms",
+            f"the grid's prefill fit: fixed {fixed * 1e3:.2f} ms a leg, less step_s",
+            "TTFT p50 of short turns",
+        ),
+        Param(
             "token_s",
-            f"{token_s * 1e6:.1f} us/token",
-            f"least squares over {doc} chat profile legs: prefill engine 72 ms, decode 66.8 ms "
-            "for ~335 new over ~1.1k cached",
+            f"{token_s * 1e6:.2f} us/token",
+            f"least squares over the grid's prefill legs ({grid}): new {news} over histories "
+            f"{histories} tokens",
             "TTFT of oneway; goodput of bidir-pd (prefill saturation)",
         ),
         Param(
-            "attn_s / token_s",
-            f"{CPU_ATTN_RATIO:.0e} per context token",
-            "NOTES.md 12-layer cold-prefill curve (1k-8k: 0.31-4.95 s), scaled by the models' "
-            "attention width over dense parameters (fleet-qwen3 vs bench-qwen3)",
+            "attn_s",
+            f"{attn_s * 1e9:.1f} ns/token per context token",
+            "the same fit",
             "oneway TTFT at 4-8k histories",
+        ),
+        Param(
+            "chunk_ctx_s",
+            f"{chunk_ctx_s * 1e9:.0f} ns per cached token a chunk",
+            "the same fit (short legs over long histories)",
+            "TTFT of decode-local turns at long histories",
         ),
         Param("chunk_tokens", "2048", "vLLM 0.32 default for AsyncLLM (SchedulerConfig)", "ITL p99"),
         Param(
@@ -157,6 +209,11 @@ def cpu_fleet() -> Hardware:
         hbm_bytes_per_engine=0.0,
         params=params,
     )
+
+
+def _spread(values: Iterable[int]) -> str:
+    seen = sorted(set(values))
+    return f"{seen[0]:,}-{seen[-1]:,}" if seen else "-"
 
 
 # -- Qwen3-32B on p5en (H200) / p5 (H100) ------------------------------------------------

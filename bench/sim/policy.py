@@ -5,9 +5,10 @@ Nothing here re-implements them. `PlacementState.place` is the one seam for the
 placement policy: it calls `app.turn.placement.place` (or `place_static`, as
 `transfer.placement` says) with the loads the simulation measured. `PlacementState`
 holds the app's `LegPace` objects (one for the prefill pool, one per decode replica) and
-updates them as `app.turn.legs` and `app.turn.pacing.LocalLeg` do, with the simulation's clock in
-place of `time.monotonic`. `make_store` builds `connector.store.HandleStore` with the app's
-session defaults and the simulation's clock.
+its `DecodeStreams`, and updates them as `app.turn.legs`, `app.turn.pacing.LocalLeg` and
+`DecodeStreams.stream` do, with the simulation's clock in place of `time.monotonic` and
+the engines' step times as the gaps between a stream's outputs. `make_store` builds
+`connector.store.HandleStore` with the app's session defaults and the simulation's clock.
 
 The app's modules are imported as they are: `app.config` and `app.turn` import neither
 Ray nor vLLM (`import app` builds nothing until `app.graph` is asked for).
@@ -15,6 +16,7 @@ Ray nor vLLM (`import app` builds nothing until `app.graph` is asked for).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -30,56 +32,75 @@ def transfer_config(**changes: Any) -> Any:
     return config.TransferConfig(backend="UCX", **changes)
 
 
-class _Ewma:
-    """The app's moving average (`app.turn.pacing.Ewma`, weight 0.2)."""
-
-    def __init__(self) -> None:
-        self.value: float | None = None
-
-    def observe(self, value: float) -> None:
-        self.value = value if self.value is None else self.value + 0.2 * (value - self.value)
-
-
 class PlacementState:
     """What the ingress measures for placement (`app.turn.turns.Turns` keeps the same, one
-    ingress replica): the prefill pool's pace, each decode replica's own pace, its streams
-    and their step time, and the hand-off of P/D turns."""
+    ingress replica), in the app's own objects: the prefill pool's `LegPace`, each decode
+    replica's `LegPace` of the turns it computes alone, and a `DecodeStreams` (per replica
+    its streams, their seconds per output and the outputs that came past the ITL target;
+    the hand-off of P/D turns). The engines report their outputs' gaps (`outputs`)."""
+
+    LATE_WINDOW = 2000
+    """Outputs `pacing.LateTokens` remembers (the app's default window)."""
 
     def __init__(self, clock: Callable[[], float], transfer: Any, decode_chunk: int):
         self._clock = clock
         self.transfer = transfer
         self.decode_chunk = decode_chunk
         self.prefill = pacing.LegPace()
-        self.local: dict[str, Any] = {}
-        self.streams: dict[str, int] = {}
-        self.step_s: dict[str, _Ewma] = {}
-        self.handoff = _Ewma()
+        self.local: dict[str, pacing.LegPace] = {}
+        self.streams = pacing.DecodeStreams(transfer.itl_target_ms / 1000, transfer.itl_late_fraction)
+        self._rng = random.Random(0)
 
-    def local_pace(self, replica: str | None) -> Any:
-        if replica is None:
-            return None
+    @property
+    def handoff(self) -> pacing.Ewma:
+        return self.streams.handoff
+
+    def local_pace(self, replica: str) -> pacing.LegPace:
         if replica not in self.local:
             self.local[replica] = pacing.LegPace()
-            self.streams[replica] = 0
-            self.step_s[replica] = _Ewma()
         return self.local[replica]
 
+    def outputs(self, replica: str, gap_s: float, count: int) -> None:
+        """`count` streams on `replica` got an output `gap_s` after their previous one (one
+        engine step), as `DecodeStreams.stream` observes each chunk."""
+        streams = self.streams.of(replica)
+        for _ in range(min(count, self.LATE_WINDOW)):
+            streams.seconds_per_token.observe(gap_s)
+            streams.late.observe(gap_s)
+
+    def least_loaded(self, replicas: list[str]) -> str | None:
+        """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt
+        tokens in flight (at random among equals, seeded)."""
+        if not replicas:
+            return None
+
+        def load(replica: str) -> tuple[int, int]:
+            pace = self.local.get(replica)
+            return self.streams.of(replica).streams, pace.tokens_in_flight if pace else 0
+
+        least = min(load(r) for r in replicas)
+        return self._rng.choice(sorted(r for r in replicas if load(r) == least))
+
     def place(self, new_tokens: int, replica: str | None) -> str | None:
-        """Why the turn skips prefill, or None: the app's decision (the one seam)."""
-        t, local = self.transfer, self.local_pace(replica)
+        """Why the turn skips prefill, or None: the app's decision (the one seam), from
+        the loads as `Turns._placement_of` reads them."""
+        t = self.transfer
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
-        prefill = placement.PrefillLoad(
-            self.prefill.seconds_per_token, self.prefill.tokens_in_flight, self.handoff.value
-        )
+        fixed, per_token = self.prefill.cost()
+        prefill = placement.PrefillLoad(per_token, self.prefill.tokens_in_flight, self.handoff.value, fixed)
         decode = None
         if replica is not None:
+            local, streams = self.local_pace(replica), self.streams.of(replica)
+            fixed, per_token = local.cost()
             decode = placement.DecodeLoad(
-                local.seconds_per_token,
+                per_token,
                 local.tokens_in_flight,
-                self.streams[replica],
-                self.step_s[replica].value,
+                streams.streams,
+                streams.seconds_per_token.value,
+                fixed,
+                streams.late.budget,
             )
         policy = placement.place if t.placement == "priced" else placement.place_static
         decided = policy(new_tokens, prefill, decode, limits)
