@@ -144,6 +144,31 @@ def test_a_turn_that_stretches_the_steps_spends_the_streams_late_budget():
     assert place(1000, PREFILL, decode(late_budget=-5), LIMITS).local
 
 
+def test_a_turn_placed_on_decode_reserves_the_late_outputs_it_will_cause_until_its_first_token():
+    from app.turn.pacing import LocalLeg
+
+    late = LateTokens(target_s=50 * MS, fraction=0.01, window=2000)
+    for _ in range(1000):
+        late.observe(10 * MS)
+    assert late.budget == 10
+    queued = PrefillLoad(0.1 * MS, tokens_in_flight=3000, handoff_s=30 * MS)
+    p = place(1000, queued, decode(streams=2, step_ms=30, late_budget=late.budget), LIMITS)
+    assert p.local and p.late_outputs == 2 * 4  # 2 streams, 4 chunks each past the target
+    pace = LegPace()
+    leg = LocalLeg(pace, 1000, late, p.late_outputs)
+    assert late.reserved == 8 and late.budget == 2
+    # A second such turn now would overspend: it goes through prefill.
+    q = place(1000, queued, decode(streams=2, step_ms=30, late_budget=late.budget), LIMITS)
+    assert not q.local and q.reason is Reason.ITL
+    leg.first_token()  # its chunks are computed: what they stretched has been counted
+    assert late.reserved == 0 and pace.tokens_in_flight == 0
+    leg.end(1000)
+    assert late.reserved == 0
+    failed = LocalLeg(pace, 500, late, 3)
+    failed.end(None)  # a turn that failed before its first token releases its reservation
+    assert late.reserved == 0 and pace.tokens_in_flight == 0
+
+
 def test_streams_already_late_beyond_their_share_take_no_turn_at_all():
     # A 10-token turn would keep the step at 21 ms, within target, but the streams there
     # came late more often than they may: every turn goes through prefill until they recover.
@@ -206,6 +231,11 @@ def test_late_outputs_give_a_budget_over_a_window():
     for _ in range(400):  # the window moves past them
         late.observe(10 * MS)
     assert late.late == 0 and late.seen == 400 and late.budget == 4
+    # Late means past 80% of the target where the ingress sees it: the client sees it later.
+    late.observe(39 * MS)
+    assert late.late == 0
+    late.observe(41 * MS)
+    assert late.late == 1
 
 
 # -- the static rule (transfer.placement: static) -----------------------------------------------

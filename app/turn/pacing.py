@@ -118,28 +118,38 @@ class LineFit:
 
 class LocalLeg:
     """A turn its decode replica computes alone, in that replica's `LegPace`: its tokens
-    are in flight until its first token, and a finished turn updates the pace."""
+    are in flight until its first token, and a finished turn updates the pace. The late
+    outputs its placement expects of the replica's streams (`late_outputs`) are reserved
+    in their `LateTokens` until then, when they have come and been counted."""
 
-    def __init__(self, pace: LegPace, new_tokens: int):
+    def __init__(self, pace: LegPace, new_tokens: int, late: LateTokens | None = None, late_outputs: int = 0):
         self._pace = pace
         self._tokens = max(0, new_tokens)
         self._ahead = pace.tokens_in_flight
         self._started = time.monotonic()
         self._to_first: float | None = None
+        self._late, self._reserved = late, max(0, late_outputs) if late is not None else 0
         pace.tokens_in_flight += self._tokens
+        if self._late is not None:
+            self._late.reserved += self._reserved
 
     def first_token(self) -> None:
         if self._to_first is None:
             self._to_first = time.monotonic() - self._started
-            self._pace.tokens_in_flight -= self._tokens
+            self._computed()
 
     def end(self, computed_tokens: int | None) -> None:
         """Called once, however the turn ended; `computed_tokens` None: it failed."""
         if self._to_first is None:
             self._to_first = -1.0
-            self._pace.tokens_in_flight -= self._tokens
+            self._computed()
         elif computed_tokens is not None:
             self._pace.observe(computed_tokens, self._to_first, self._ahead)
+
+    def _computed(self) -> None:
+        self._pace.tokens_in_flight -= self._tokens
+        if self._late is not None:
+            self._late.reserved -= self._reserved
 
 
 class Ewma:
@@ -169,10 +179,17 @@ class LateTokens:
         self.fraction = fraction
         self._late: deque[bool] = deque(maxlen=window)
         self.late = 0
+        self.reserved = 0
+        """Late outputs expected of decode-local turns placed but not yet at their first
+        token (their chunks still to stretch the steps): spent, not yet seen."""
+
+    MARGIN = 0.8
+    """An output counts as late past this share of the target: the ingress sees it a
+    little before the client does (the HTTP stream's own jitter is still to come)."""
 
     def observe(self, gap_s: float) -> None:
         """An output came `gap_s` after the previous one."""
-        late = gap_s > self.target_s
+        late = gap_s > self.MARGIN * self.target_s
         if len(self._late) == self._late.maxlen:
             self.late -= self._late[0]
         self._late.append(late)
@@ -185,7 +202,7 @@ class LateTokens:
     @property
     def budget(self) -> int:
         """Outputs that may still come late (negative: more came late than may)."""
-        return math.floor(self.fraction * len(self._late)) - self.late
+        return math.floor(self.fraction * len(self._late)) - self.late - self.reserved
 
 
 class ReplicaStreams:

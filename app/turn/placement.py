@@ -116,6 +116,8 @@ class Placement:
     prefill_s: float | None = None
     stream_step_s: float | None = None
     """A stream's step on decode while it computes a chunk of the turn."""
+    late_outputs: int = 0
+    """Outputs of the streams there the turn is expected to make late, when it goes there."""
 
 
 def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits) -> Placement:
@@ -135,12 +137,13 @@ def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limi
     steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
     stream_step = step + (pace or 0.0) * chunk
+    late = 0
     if decode.streams > 0:
         late = decode.streams * steps if pace is not None and stream_step > limits.itl_target_s else 0
         if decode.late_budget < 0 or late > decode.late_budget:
-            return Placement(False, Reason.ITL, stream_step_s=stream_step)
+            return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
     if new_tokens <= limits.short_tokens:
-        return Placement(True, Reason.SHORT, stream_step_s=stream_step)
+        return Placement(True, Reason.SHORT, stream_step_s=stream_step, late_outputs=late)
     if prefill.seconds_per_token is None or pace is None:
         return Placement(False, Reason.LATER)
     handoff = prefill.handoff_s or 0.0
@@ -150,7 +153,8 @@ def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limi
     if not measured:
         on_decode += handoff  # an unmeasured replica: only prefill's queue is a saving
     sooner = on_decode < on_prefill
-    return Placement(sooner, Reason.SOONER if sooner else Reason.LATER, on_decode, on_prefill, stream_step)
+    reason = Reason.SOONER if sooner else Reason.LATER
+    return Placement(sooner, reason, on_decode, on_prefill, stream_step, late)
 
 
 def place_static(

@@ -87,7 +87,7 @@ class Turns:
             sampling = self._fit(turn, prompt_ids)
             history, miss = await self._verified_history(claim, prompt_ids, pin_deadline)
             timings["session_s"] = time.monotonic() - started
-            route, replica, placed = self._route(prompt_ids, history, conv)
+            route, replica, placement = self._route(prompt_ids, history, conv)
             legged = Prefilled()
             if route is Route.PREFILL:
                 legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings)
@@ -108,7 +108,9 @@ class Turns:
             leg = None
             if route is Route.LOCAL and request.preferred_replica:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
-                leg = LocalLeg(self._local_pace(request.preferred_replica), new_tokens)
+                late = self.streams.of(request.preferred_replica).late
+                expected = placement.late_outputs if placement is not None else 0
+                leg = LocalLeg(self._local_pace(request.preferred_replica), new_tokens, late, expected)
             async for delta in self._decode(request, answer, leg, started, timings):
                 yield delta
             final = answer.final
@@ -141,7 +143,7 @@ class Turns:
                 spliced=spliced,
                 decode_replica=answer.replica,
                 timings={k: round(v, 4) for k, v in timings.items()},
-                placement=placed,
+                placement=str(placement.reason) if placement is not None else None,
             )
         except BaseException:
             if outcome is TurnOutcome.PULLED or (claim and claim.handle):
@@ -238,9 +240,9 @@ class Turns:
 
     def _route(
         self, prompt_ids: Sequence[int], history: KVHandle | None, conv: Conversation | None
-    ) -> tuple[Route, str | None, str | None]:
+    ) -> tuple[Route, str | None, Placement | None]:
         """Where the turn is computed, the decode replica it prefers, and why (the
-        placement's reason; None where no choice was made). `Route.LOCAL` in
+        placement; None where no choice was made). `Route.LOCAL` in
         bidir when the session's decode replica's prefix cache holds the history (or there
         is none) and `app.turn.placement` chooses it from this ingress's measured loads
         (`transfer.placement`); each choice is counted as `placed_<reason>`. A session with
@@ -248,13 +250,12 @@ class Turns:
         there when it stays on decode. Else through prefill, when there is one."""
         replica = conv.decode_replica if conv is not None else None
         placement, priced_on = self._placement_of(prompt_ids, history, replica)
-        reason = str(placement.reason) if placement is not None else None
         if placement is not None and placement.local:
             self.counts[TurnCount.DECODE_LOCAL] += 1
             if placement.reason in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
                 self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
-            return Route.LOCAL, priced_on, reason
-        return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica, reason
+            return Route.LOCAL, priced_on, placement
+        return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica, placement
 
     def _placement_of(
         self, prompt_ids: Sequence[int], history: KVHandle | None, replica: str | None
