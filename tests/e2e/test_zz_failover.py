@@ -42,15 +42,25 @@ def _wait_running(deployment: str, replicas: int, within_s: float = 600.0) -> No
     raise AssertionError(f"{deployment} not back to {replicas} replicas: {states}")
 
 
-def _wait_noticed(deployment: str, replicas: int, within_s: float = 120.0) -> None:
+def _replica_names(deployment: str) -> set[str]:
+    prefix = f"SERVE_REPLICA::pd#{deployment}#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"] for a in actors if a["name"].startswith(prefix)}
+
+
+def _wait_noticed(deployment: str, replicas: int, before: set[str], within_s: float = 120.0) -> None:
     """Until Serve's controller counts fewer than `replicas` running replicas of `deployment`
-    (it notices a killed replica within seconds; until then `_wait_running` would pass)."""
+    (it notices a killed replica within seconds; until then `_wait_running` would pass), or
+    has already started a replica that was not among `before` (the names at the kill): a
+    long answer after the kill can outlast the replacement's start."""
     from ray import serve
 
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         states = serve.status().applications["pd"].deployments[deployment].replica_states
         if states.get("RUNNING", 0) < replicas or sum(states.values()) != states.get("RUNNING", 0):
+            return
+        if _replica_names(deployment) - before:
             return
         time.sleep(1)
     raise AssertionError(f"Serve never noticed a killed {deployment} replica: {states}")
@@ -136,10 +146,11 @@ def _killed_mid_stream(url: str, path: str, body: dict, plain: dict, session: st
                 continue
             events.append(json.loads(line.removeprefix("data: ")))
             if not killed and output(events[-1]):
+                names = _replica_names("DecodeServer")
                 ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
                 killed = True
     assert killed, events[-3:]
-    _wait_noticed("DecodeServer", 2)  # so that the next test waits for its replacement
+    _wait_noticed("DecodeServer", 2, names)  # so that the next test waits for its replacement
     after = kv_stats(url)["turns"]
     grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     assert not any("error" in e or e.get("type") in ("error", "response.failed") for e in events), events[-2:]
