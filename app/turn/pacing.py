@@ -14,9 +14,10 @@ passing engine calls through.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from app.engines.wire import EngineChunk, EngineRequest
@@ -286,3 +287,22 @@ def _reads_from_prefill(request: EngineRequest) -> bool:
         return KVHandle.from_wire(request.kv_params).location is Location.PREFILL
     except WireError:
         return False
+
+
+def least_loaded(
+    replicas: Collection[str],
+    streams: DecodeStreams,
+    paces: Mapping[str, LegPace],
+    choice: Callable[[Sequence[str]], str] = random.choice,
+) -> str | None:
+    """Of `replicas`, one with the fewest streams, then prompt tokens in flight (by
+    `choice` among equals); None when there is none. The replica a new session is priced on."""
+    if not replicas:
+        return None
+
+    def load(replica: str) -> tuple[int, int]:
+        pace = paces.get(replica)
+        return streams.of(replica).streams, pace.tokens_in_flight if pace else 0
+
+    least = min(load(r) for r in replicas)
+    return choice(sorted(r for r in replicas if load(r) == least))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -40,7 +39,7 @@ from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
-from app.turn.pacing import DecodeStreams, LegPace, LocalLeg
+from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded
 from app.turn.placement import DecodeLoad, Limits, Placement, PrefillLoad, Reason, place, place_static
 from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
@@ -290,16 +289,7 @@ class Turns:
     def _least_loaded_decode(self) -> str | None:
         """Of the running decode replicas, one with the fewest streams and prompt tokens in
         flight from this ingress (at random among equals); None while none is known."""
-        running = self._clients.decode_replicas()
-        if not running:
-            return None
-
-        def load(replica: str) -> tuple[int, int]:
-            pace = self.local_pace.get(replica)
-            return self.streams.of(replica).streams, pace.tokens_in_flight if pace else 0
-
-        least = min(load(r) for r in running)
-        return random.choice(sorted(r for r in running if load(r) == least))
+        return least_loaded(self._clients.decode_replicas() or (), self.streams, self.local_pace)
 
     def _decode_params(self, route: Route, legged: Prefilled) -> dict | None:
         """Decode's transfer params: compute over the history it holds (`Route.LOCAL`),

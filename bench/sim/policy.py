@@ -71,15 +71,7 @@ class PlacementState:
     def least_loaded(self, replicas: list[str]) -> str | None:
         """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt
         tokens in flight (at random among equals, seeded)."""
-        if not replicas:
-            return None
-
-        def load(replica: str) -> tuple[int, int]:
-            pace = self.local.get(replica)
-            return self.streams.of(replica).streams, pace.tokens_in_flight if pace else 0
-
-        least = min(load(r) for r in replicas)
-        return self._rng.choice(sorted(r for r in replicas if load(r) == least))
+        return pacing.least_loaded(replicas, self.streams, self.local, self._rng.choice)
 
     def place(self, new_tokens: int, replica: str | None) -> str | None:
         """Why the turn skips prefill, or None: the app's decision (the one seam), from
