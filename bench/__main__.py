@@ -18,6 +18,7 @@ tables on stdout.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -137,6 +138,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--sessions", type=int, help="concurrent conversations")
     w.add_argument("--turns", type=int, help="turns per conversation")
     w.add_argument("--concurrency", type=int, help="sessions in flight at once")
+    w.add_argument(
+        "--level-sessions",
+        type=int,
+        default=1,
+        help="fleet profiles: sessions per agent at each level; a level keeps its agents running at "
+        "once and starts the next session as one ends (more turns for its TTFT by history bucket)",
+    )
     w.add_argument("--system-tokens", type=int, help="shared system prompt length")
     w.add_argument("--user-tokens", type=int, help="user message length")
     w.add_argument("--tool-tokens", type=int, help="tool result length")
@@ -211,6 +219,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU profiles: the app's cpu_binding per engine (default: the app's, nobind)",
     )
     e.add_argument(
+        "--transfer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of the app's transfer.* settings, e.g. decode_chunk_tokens=128 (repeatable; "
+        "the value is read as JSON, else as a string)",
+    )
+    e.add_argument(
         "--env",
         action="append",
         default=[],
@@ -248,7 +264,17 @@ def _profile_from(args: argparse.Namespace):
         if not sep or not key:
             raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
         env[key] = value
+    transfer = dict(prof.transfer)
+    for item in args.transfer:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--transfer expects KEY=VALUE, got {item!r}")
+        try:
+            transfer[key] = json.loads(value)
+        except json.JSONDecodeError:
+            transfer[key] = value
     return prof.with_overrides(
+        transfer=transfer,
         workload=replace(prof.workload, **spec_changes),
         model=args.model,
         dtype=args.dtype,

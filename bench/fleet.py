@@ -3,16 +3,18 @@
 Per mode: deploy once, warm up, then ramp the number of concurrent agents through
 `LEVELS` (4-32 on CPU; 4-64 with `--profile fleet-gpu`) until a level misses the target.
 Each level runs a fresh trace of that many agents (`bench.traces`, the profile's shape;
-its own system prompts, so levels do not share cache) to its end, with the engines'
+its own system prompts, so levels do not share cache) to its end (`--level-sessions K`:
+K sessions per agent, that many agents at once, for more turns a level), with the engines'
 counters read around it. A level *meets the target* when its TTFT p90 is within
 `SLO.ttft_p90_s` and its inter-token latency p99 within `SLO.itl_p99_s`. A mode's
 goodput is the highest rate of turns (turns per second of the level's wall time) at a
 level that meets the target, and the number of agents there.
 
 Reported per mode and level: turns/s, TTFT p50/p90, ITL p99, whether the target holds,
-prompt tokens computed by the engines; per mode, TTFT by history bucket and for turns
-carrying long tool results (`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway. A PNG
-plots turns/s, TTFT p90 and ITL p99 against agents.
+prompt tokens computed by the engines, CPU seconds by process role (`bench.hostcpu`);
+per mode, TTFT by history bucket and for turns carrying long tool results
+(`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway. A PNG plots turns/s, TTFT p90
+and ITL p99 against agents.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from bench.client import kv_stats, run_workload, served_model
 from bench.deploy import LocalCluster, deployed
+from bench.hostcpu import ROLES, cpu_by_role, spent
 from bench.profiles import Profile
 from bench.record import TurnRecord
 from bench.stats import nearest_rank, ratio
@@ -121,7 +124,14 @@ def _long_tool_turns(workload: Workload) -> set[tuple[int, int]]:
 
 
 def run_mode(
-    cluster: LocalCluster, prof: Profile, mode: str, model_path: str, counter: TokenCounter, slo: SLO, log
+    cluster: LocalCluster,
+    prof: Profile,
+    mode: str,
+    model_path: str,
+    counter: TokenCounter,
+    slo: SLO,
+    log,
+    sessions_per_agent: int = 1,
 ) -> dict:
     from bench.runner import engine_counters
 
@@ -140,13 +150,19 @@ def run_mode(
         asyncio.run(run_workload(url, model, warm, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
         roles = ("PrefillServer", "DecodeServer") if cfg.disaggregated else ("DecodeServer",)
         for agents in LEVELS[prof.name]:
-            shape = replace(prof.trace, sessions=agents, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S)
+            shape = replace(
+                prof.trace, sessions=agents * sessions_per_agent, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S
+            )
             workload = to_workload(shape.generate(), counter, tag=f"L{agents}")
+            # At most `agents` sessions at once: a later one starts as one ends.
+            workload = replace(workload, spec=replace(workload.spec, concurrency=agents))
             before = {r: engine_counters(app, r) for r in roles}
+            cpu_before = cpu_by_role()
             log(f"[{mode}] {agents} agents")
             records, wall = asyncio.run(
                 run_workload(url, model, workload, session_prefix=f"{mode}-L{agents}-{uuid.uuid4().hex[:6]}")
             )
+            cpu = cpu_by_role()
             time.sleep(1.0)
             after = {r: engine_counters(app, r) for r in roles}
             long_tools = _long_tool_turns(workload)
@@ -162,6 +178,7 @@ def run_mode(
                 "buckets": buckets(records, long_tools),
                 "long_tool_hops": long_tool_hops(records, long_tools),
                 "placements": placements(records),
+                "cpu_s": spent(cpu_before, cpu, sum(1 for r in records if r.ok)),
             }
             levels.append(level)
             log(f"[{mode}] {agents} agents: {level}")
@@ -311,6 +328,23 @@ def markdown(results: dict) -> str:
             for route, g in sorted(lv.get("long_tool_hops", {}).items()):
                 hops = ", ".join(f"{h} {f(v)}" for h, v in g["hops"].items())
                 lines.append(f"| {mode} | {route} | {g['turns']} | {f(g['ttft_s'])} | {hops} |")
+    cpu_rows = [
+        (mode, lv["agents"], lv["cpu_s"])
+        for mode, run in results["modes"].items()
+        for lv in run["levels"]
+        if lv.get("cpu_s")
+    ]
+    if cpu_rows:
+        lines += [
+            "",
+            "CPU seconds per level by role, and the serving processes' per turn (`bench.hostcpu`):",
+            "",
+            "| mode | agents | " + " | ".join(ROLES) + " | host per turn |",
+            "|" + " --- |" * (len(ROLES) + 3),
+        ]
+        for mode, agents, cpu in cpu_rows:
+            cells = " | ".join(f(cpu.get(r), 1) for r in ROLES)
+            lines.append(f"| {mode} | {agents} | {cells} | {f(cpu.get('host_per_turn_s'))} |")
     for mode, run in results["modes"].items():
         for lv in run["levels"]:
             if lv.get("placements"):
@@ -358,11 +392,14 @@ def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
     runs: dict[str, dict] = {}
     with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         for mode in modes:
-            runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log)
+            runs[mode] = run_mode(
+                cluster, prof, mode, model_path, counter, slo, log, getattr(args, "level_sessions", 1)
+            )
     results = {
         "profile": prof.name,
         "slo": asdict(slo),
         "levels": list(LEVELS[prof.name]),
+        "sessions_per_agent": getattr(args, "level_sessions", 1),
         "trace": asdict(prof.trace) if prof.trace else None,
         "modes": runs,
         "ratios": ratios(runs),

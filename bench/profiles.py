@@ -87,6 +87,8 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     """The app's `sessions.*` settings (e.g. `pinned_fraction`); empty: the app's defaults."""
+    transfer: dict[str, Any] = field(default_factory=dict)
+    """More of the app's `transfer.*` settings (e.g. `decode_chunk_tokens`), over the rest."""
     trace: TraceShape | None = None
     """A trace-shaped workload (`bench.traces`) in place of `workload`'s uniform sessions
     (`workload` then only names the answer length of the warm-up)."""
@@ -141,17 +143,13 @@ class Profile:
                 "recompute_threshold_tokens": self.recompute_threshold_tokens,
                 "kv_buffer_device": self.kv_buffer_device,
                 **({"pull_timeout_s": self.pull_timeout_s} if self.pull_timeout_s else {}),
-                **(
-                    {"decode_local_tokens": self.decode_local_tokens}
-                    if self.decode_local_tokens is not None
-                    else {}
-                ),
-                **(
-                    {"decode_local_busy_tokens": self.decode_local_busy_tokens}
-                    if self.decode_local_busy_tokens is not None
-                    else {}
-                ),
+                **{
+                    key: value
+                    for key in ("decode_local_tokens", "decode_local_busy_tokens")
+                    if (value := getattr(self, key)) is not None
+                },
                 **({"host_offload_bytes": self.host_offload_bytes} if self.host_offload_bytes else {}),
+                **self.transfer,
             },
             "app_name": app_name,
             "env": dict(self.env),
