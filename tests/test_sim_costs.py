@@ -10,7 +10,7 @@ import pytest
 import simpy
 
 from bench.sim.costs import EngineCost, Link, blocks, fit_decode, fit_prefill, gpu_cost, least_squares
-from bench.sim.engine import Engine, Job
+from bench.sim.engine import Engine, HostCpu, Job
 
 COST = EngineCost(
     step_s=0.01, token_s=1e-4, attn_s=1e-8, decode_seq_s=1e-3, decode_ctx_s=1e-6, chunk_tokens=512
@@ -202,3 +202,52 @@ def _send(env: simpy.Environment, engine: Engine, at: float, job: Job):
     yield env.timeout(at)
     engine.submit(job)
     yield job.done
+
+
+def _shared(cores: float, macro: bool) -> tuple[list[Engine], list[Job]]:
+    """Two engines on `cores` cores: a stream on one, prefills arriving on the other."""
+    env = simpy.Environment()
+    cpu = HostCpu(env, cores, cpu_per_turn_s=0.0)
+    engines = [Engine(env, COST, f"e{i}", 32, macro_steps=macro, cpu=cpu) for i in range(2)]
+    jobs = [Job(10, 0, 60)] + [Job(300, 0, 1) for _ in range(4)]
+    env.process(_send(env, engines[0], 0.0, jobs[0]))
+    for i, job in enumerate(jobs[1:]):
+        env.process(_send(env, engines[1], 0.05 + 0.2 * i, job))
+    env.run()
+    return engines, jobs
+
+
+def test_engines_sharing_cores_stretch_each_others_steps():
+    alone, _ = _shared(cores=2.0, macro=False)
+    shared, _ = _shared(cores=1.0, macro=False)
+    # Two busy engines on one core: each step takes up to twice as long; never less.
+    for a, b in zip(alone, shared, strict=True):
+        assert a.stats.steps == b.stats.steps
+        assert a.stats.busy_s < b.stats.busy_s <= 2 * a.stats.busy_s + 1e-9
+    # The stream's steps while the prefills ran took twice as long as its others.
+    gaps = sorted({round(g, 9) for g, _ in shared[0].stats.itl})
+    assert any(g2 == pytest.approx(2 * g1, rel=0.05) for g1 in gaps for g2 in gaps)
+
+
+def test_a_stretch_is_repriced_when_the_other_engine_changes():
+    """Decode stretches on shared cores give the step-by-step times."""
+    macro_engines, macro_jobs = _shared(cores=1.5, macro=True)
+    step_engines, step_jobs = _shared(cores=1.5, macro=False)
+    for a, b in zip(macro_jobs, step_jobs, strict=True):
+        assert a.first_at == pytest.approx(b.first_at, abs=1e-9)
+        assert a.tag == pytest.approx(b.tag, abs=1e-9)
+    for a, b in zip(macro_engines, step_engines, strict=True):
+        assert a.stats.busy_s == pytest.approx(b.stats.busy_s)
+
+
+def test_host_demand_follows_the_turns_begun():
+    env = simpy.Environment()
+    cpu = HostCpu(env, 2.0, cpu_per_turn_s=0.2, window_s=5.0)
+    for _ in range(10):
+        cpu.turn_begun()
+    assert cpu.host_cores() == pytest.approx(0.4)  # 10 turns in 5 s, 0.2 CPU-s each
+    assert cpu.stretch() == 1.0  # no engine busy: 0.4 of 2 cores
+    env.run(until=6.0)
+    assert cpu.host_cores() == 0.0
+    with pytest.raises(ValueError):
+        HostCpu(env, 0.0, 0.1)

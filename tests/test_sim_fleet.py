@@ -201,3 +201,38 @@ def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):
     assert main(["--trace", str(path), "--mode", "bidir", "--out", str(tmp_path / "out.json")]) == 0
     assert '"turns"' in capsys.readouterr().out
     assert (tmp_path / "out.json").exists()
+
+
+def test_clients_send_the_benchmarks_way():
+    """`run_clients`: every turn of every conversation, in order, one request a client at
+    a time, no more conversations open than asked."""
+    from bench.sim.validate import benchmark_trace
+
+    trace = benchmark_trace(first_prompt=3000)
+    assert len(trace.sessions) == 24
+    assert all(6 <= len(s.turns) <= 9 for s in trace.sessions)
+    assert all(s.system_tokens + s.turns[0].tokens == 3000 for s in trace.sessions)
+    fleet = Fleet(FleetSpec("bidir-pd", cpu_fleet()))
+    run = fleet.run_clients(trace, clients=2, active=6)
+    assert len(run.turns) == sum(len(s.turns) for s in trace.sessions)
+    for s in trace.sessions:
+        mine = [t for t in run.turns if t.session == s.session_id]
+        assert [t.turn for t in mine] == list(range(1, len(s.turns) + 1))
+        assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:], strict=False))
+    spans = sorted((t.start_s, t.end_s) for t in run.turns)
+    for start, _ in spans:
+        assert sum(1 for a, b in spans if a <= start < b) <= 2
+    with pytest.raises(ValueError):
+        fleet.run_clients(trace, clients=3, active=2)
+
+
+def test_a_legs_own_time_reaches_the_first_token():
+    trace = Trace((TraceSession("a", 0.0, 100, (TraceTurn("user", 200, 5),)),))
+    base = cpu_fleet()
+    ttft = {}
+    for leg_s in (0.0, 0.05):
+        hw = replace(base, leg_s=leg_s, cores=0.0)
+        ttft[leg_s] = {m: Fleet(FleetSpec(m, hw)).run(trace).turns[0].ttft_s for m in ("dp", "bidir-pd")}
+    assert ttft[0.05]["dp"] == pytest.approx(ttft[0.0]["dp"] + 0.05)
+    # Through prefill: the prefill leg's and the decode leg's.
+    assert ttft[0.05]["bidir-pd"] == pytest.approx(ttft[0.0]["bidir-pd"] + 0.10)

@@ -16,6 +16,13 @@ KV blocks of running sequences return to zero when the engine is idle (`blocks_i
 Inter-token latency is kept as (step seconds, sequences that waited that long) pairs,
 one per step, rather than one sample per token; `on_outputs`, when set, is told the same
 for every step (the ingress's view of its streams' gaps, `bench.sim.policy`).
+
+On a host whose engines share few cores with the serving processes (the CPU fleet
+study: two one-thread engines, the ingress, Serve's proxy, the engines' front ends and
+the client on 2 cores), `HostCpu` stretches each step by the share of a core its engine
+gets: the busy engines and the host's own work (`cpu_per_turn_s` for every turn begun in
+the last `window_s`) divided over `cores`, processor-shared. GPU engines do not share:
+no `HostCpu`.
 """
 
 from __future__ import annotations
@@ -29,6 +36,47 @@ from typing import Any
 import simpy
 
 from bench.sim.costs import EngineCost, blocks
+
+
+class HostCpu:
+    """The cores a host's engines and serving processes share (processor sharing)."""
+
+    def __init__(self, env: simpy.Environment, cores: float, cpu_per_turn_s: float, window_s: float = 5.0):
+        if cores <= 0:
+            raise ValueError("cores must be positive")
+        self.env = env
+        self.cores = cores
+        self.cpu_per_turn_s = cpu_per_turn_s
+        """CPU seconds of the serving processes per turn (its request, its prompt's
+        tokenization, its stream's chunks through the engine's front end, the ingress, the
+        proxy and the client)."""
+        self.window_s = window_s
+        self.engines: list[Engine] = []
+        self._begun: deque[float] = deque()
+
+    def turn_begun(self) -> None:
+        self._begun.append(self.env.now)
+
+    def host_cores(self) -> float:
+        """The serving processes' demand now: CPU seconds per turn times the turns begun
+        a second over the last `window_s`."""
+        start = self.env.now - self.window_s
+        while self._begun and self._begun[0] < start:
+            self._begun.popleft()
+        return self.cpu_per_turn_s * len(self._begun) / self.window_s
+
+    def changed(self, source: Engine) -> None:
+        """`source` went idle or busy: the other engines' decode stretches re-price their
+        steps from the one in progress."""
+        for e in self.engines:
+            if e is not source and e.in_stretch and not e._wake.triggered:
+                e._wake.succeed()
+
+    def stretch(self) -> float:
+        """How much longer a step takes than on a core of its own: busy engines and the
+        host's demand over the cores, at least 1."""
+        busy = sum(1 for e in self.engines if not e.idle())
+        return max(1.0, (busy + self.host_cores()) / self.cores)
 
 
 @dataclass(eq=False)
@@ -79,8 +127,12 @@ class Engine:
         block_size: int,
         request_chunk: int = 0,
         macro_steps: bool = True,
+        cpu: HostCpu | None = None,
     ):
         self.env = env
+        self.cpu = cpu
+        if cpu is not None:
+            cpu.engines.append(self)
         self.macro_steps = macro_steps
         """Run stretches of decode-only steps as one event (same times; ITL kept per
         stretch as its mean step, weighted by its tokens)."""
@@ -98,6 +150,8 @@ class Engine:
         self._blocks = 0
         self._step = 0
         self._wake: simpy.Event = env.event()
+        self.in_stretch = False
+        """In a run of decode-only steps priced as one event (`_decode_stretch`)."""
         self.queued_tokens = 0
         self.on_outputs: Callable[[float, int], None] | None = None
         """Called after each step with its seconds and the sequences that got an output
@@ -106,7 +160,12 @@ class Engine:
 
     # -- callers ---------------------------------------------------------------------------
 
+    def _stretch(self) -> float:
+        return 1.0 if self.cpu is None else self.cpu.stretch()
+
     def submit(self, job: Job) -> Job:
+        if self.cpu is not None and self.idle():
+            self.cpu.changed(self)
         job.first, job.done = self.env.event(), self.env.event()
         job.left = max(0, job.new)
         if job.left:
@@ -134,6 +193,8 @@ class Engine:
     def _loop(self) -> Generator[Any, Any, None]:
         while True:
             if self.idle():
+                if self.cpu is not None:
+                    self.cpu.changed(self)
                 self._wake = self.env.event()
                 yield self._wake
                 continue
@@ -152,8 +213,11 @@ class Engine:
                 n = min(job.left, budget, self.request_chunk)
                 chunks.append((job, n))
                 budget -= n
-            dt = self.cost.step(
-                len(self._running), self._ctx, [(n, job.context - job.left) for job, n in chunks]
+            dt = (
+                self.cost.step(
+                    len(self._running), self._ctx, [(n, job.context - job.left) for job, n in chunks]
+                )
+                * self._stretch()
             )
             yield self.env.timeout(dt)
             self._after_step(dt, waited, joined, chunks)
@@ -163,7 +227,8 @@ class Engine:
         of the stretch takes `a + d * (ctx + batch * j)`. A job submitted meanwhile
         joins at the end of the step in progress, as it would step by step."""
         batch, ctx = len(self._running), self._ctx
-        a, d = self.cost.step_s + self.cost.decode_seq_s * batch, self.cost.decode_ctx_s
+        f = self._stretch()
+        a, d = (self.cost.step_s + self.cost.decode_seq_s * batch) * f, self.cost.decode_ctx_s * f
         k = max(1, self._finish[0][0] - self._step)
 
         def elapsed(m: int) -> float:  # seconds of the stretch's first m steps
@@ -171,7 +236,9 @@ class Engine:
 
         started = self.env.now
         self._wake = self.env.event()
+        self.in_stretch = True
         yield self.env.timeout(elapsed(k)) | self._wake
+        self.in_stretch = False
         m = k
         if self._wake.triggered:
             # Interrupted: finish the step in progress, then hand back to the step loop.

@@ -31,7 +31,7 @@ from typing import Any
 import simpy
 
 from bench.sim import policy
-from bench.sim.engine import Engine, Job
+from bench.sim.engine import Engine, HostCpu, Job
 from bench.sim.params import Hardware
 from bench.traces import Trace, TraceSession
 from connector.store import TurnOutcome
@@ -129,11 +129,12 @@ class Fleet:
         chunked = spec.mode != "dp" and spec.placement == "priced"
         decode_chunk = getattr(self.transfer, "decode_chunk_tokens", 0) if chunked else 0
         self.placement = policy.PlacementState(clock, self.transfer, decode_chunk)
-        self.prefill = [Engine(self.env, cost, f"p{i}", hw.block_size) for i in range(spec.prefill)]
-        if spec.mode == "dp":
-            self.prefill = []
+        self.cpu = HostCpu(self.env, hw.cores, hw.host_cpu_per_turn_s) if hw.cores else None
+        prefill = 0 if spec.mode == "dp" else spec.prefill
+        self.prefill = [Engine(self.env, cost, f"p{i}", hw.block_size, cpu=self.cpu) for i in range(prefill)]
         self.decode = [
-            Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk) for i in range(spec.decode)
+            Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk, cpu=self.cpu)
+            for i in range(spec.decode)
         ]
         if spec.mode != "dp":
             for e in self.decode:
@@ -175,21 +176,66 @@ class Fleet:
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
         return result
 
+    def run_clients(self, trace: Trace, clients: int, active: int) -> RunResult:
+        """`trace`'s sessions as vLLM's multi-turn benchmark sends them (`--num-clients`,
+        `--max-active-conversations`): each of `clients` clients keeps its share of `active`
+        conversations open, sends their turns round robin, one request at a time and no
+        pause, and opens the next conversation when one ends. Start times and pauses are
+        not used."""
+        if clients < 1 or active < clients:
+            raise ValueError("at least one client, and one active conversation per client")
+        self._result = result = RunResult(start_s=self.env.now)
+        engines = self.prefill + self.decode
+        itl_from = {e.name: len(e.stats.itl) for e in engines}
+        computed_from = sum(e.stats.computed_tokens for e in engines)
+        self._bound = None
+        waiting = list(trace.sessions)
+        waiting.reverse()
+        shares = [active // clients + (1 if c < active % clients else 0) for c in range(clients)]
+
+        def client(share: int) -> TurnProcess:
+            # Each open conversation: [session, next turn, history].
+            open_: list[list[Any]] = []
+            while waiting or open_:
+                while waiting and len(open_) < share:
+                    s = waiting.pop()
+                    open_.append([s, 0, s.system_tokens])
+                conv = open_.pop(0)
+                s, i, history = conv
+                conv[2] = yield from self._turn(s, i, history)
+                conv[1] = i + 1
+                if conv[1] < len(s.turns):
+                    open_.append(conv)
+
+        procs = [self.env.process(client(share)) for share in shares]
+        self.env.run(until=simpy.AllOf(self.env, procs))
+        result.end_s = self.env.now
+        result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
+        result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
+        return result
+
     def _session(self, s: TraceSession, offset: float) -> TurnProcess:
         yield self.env.timeout(max(0.0, offset + s.start_s - self.env.now))
         history = s.system_tokens
         for i, turn in enumerate(s.turns):
             if i and turn.pause_s:
                 yield self.env.timeout(turn.pause_s)
-            prompt = history + turn.tokens
-            record = TurnResult(s.session_id, i + 1, turn.kind, turn.tokens, prompt, 0, 0.0, "", self.env.now)
-            if self.spec.mode == "dp":
-                yield from self._dp_turn(s.session_id, prompt, turn.answer_tokens, record)
-            else:
-                yield from self._pd_turn(s.session_id, i, prompt, turn.answer_tokens, record)
-            record.end_s = self.env.now
-            self._result.turns.append(record)
-            history = prompt + turn.answer_tokens
+            history = yield from self._turn(s, i, history)
+
+    def _turn(self, s: TraceSession, i: int, history: int) -> Generator[Any, Any, int]:
+        """Turn `i` of `s` over `history` tokens; returns the history after its answer."""
+        turn = s.turns[i]
+        if self.cpu is not None:
+            self.cpu.turn_begun()
+        prompt = history + turn.tokens
+        record = TurnResult(s.session_id, i + 1, turn.kind, turn.tokens, prompt, 0, 0.0, "", self.env.now)
+        if self.spec.mode == "dp":
+            yield from self._dp_turn(s.session_id, prompt, turn.answer_tokens, record)
+        else:
+            yield from self._pd_turn(s.session_id, i, prompt, turn.answer_tokens, record)
+        record.end_s = self.env.now
+        self._result.turns.append(record)
+        return prompt + turn.answer_tokens
 
     # -- routing helpers -----------------------------------------------------------------
 
@@ -204,8 +250,10 @@ class Fleet:
         return engine
 
     def _first(self, record: TurnResult, job: Job) -> None:
+        """The turn's first token reached the ingress now (its engine's first output and
+        `leg_s` ago); the client sees it `ingress_s` after its request's own share."""
         assert job.first_at is not None
-        record.ttft_s = job.first_at - record.start_s + self.spec.hw.ingress_s
+        record.ttft_s = self.env.now - record.start_s + self.spec.hw.ingress_s
         if self._bound is not None and record.ttft_s > self._bound[0]:
             self._late += 1
             if self._late > self._bound[1] and not self._abort.triggered:
@@ -222,6 +270,7 @@ class Fleet:
         job = engine.submit(Job(prompt - cached, cached, answer))
         record.computed_tokens, record.route = prompt - cached, "single"
         yield job.first
+        yield self.env.timeout(self.spec.hw.leg_s)
         self._first(record, job)
         yield job.done
         cache.insert(session, prompt + answer, engine.blocks_in_use * hw.block_size)
@@ -268,6 +317,7 @@ class Fleet:
             yield self.env.timeout(hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token))
             job = target.submit(Job(0, prompt, answer))
             yield job.first
+            yield self.env.timeout(self.spec.hw.leg_s)
             self._first(record, job)
             self.placement.handoff.observe(self.env.now - called)
         yield from self._stream(target, job)
@@ -289,6 +339,7 @@ class Fleet:
         job = target.submit(Job(new, prompt - new, answer))
         record.computed_tokens, record.route = new, f"local:{reason}"
         yield job.first
+        yield self.env.timeout(self.spec.hw.leg_s)
         self._first(record, job)
         first()(new)
         return job
@@ -304,6 +355,7 @@ class Fleet:
             yield self.env.timeout(hw.link.transfer_s(history, hw.kv_bytes_per_token))
         job = engine.submit(Job(new, history, 0))
         yield job.done
+        yield self.env.timeout(hw.leg_s)
         end(new)
         record.computed_tokens = new
         record.route = "prefill" if history else "prefill-recompute"

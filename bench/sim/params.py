@@ -8,7 +8,9 @@ Two hardware sets:
   (`python -m bench.prefill_cost --grid`: prefill legs by history and new tokens, decode
   steps by batch and history); the hops, the ingress and NIXL from the chat and agentic
   profiles in docs/benchmarks.md, the store from its own benchmark (docs/store.md); never
-  from the fleet study it is validated against.
+  from the fleet study it is validated against. The engines share the VM's 2 cores with
+  the serving processes (`bench.sim.engine.HostCpu`), whose CPU per turn and per-leg
+  overhead come from later runs of the study (their own accounting and timings).
 * `gpu_qwen3_32b(tp, gpu, mfu)`: Qwen3-32B in bf16 on p5en (H200) or p5 (H100) GPUs,
   from the model's published configuration and the GPUs' and EFA's published figures.
   Two figures have no published source and are marked as assumptions; `mfu` is fitted
@@ -61,6 +63,15 @@ class Hardware:
     hbm_bytes_per_engine: float
     """Accelerator memory of one engine's GPUs (0 on CPU)."""
     params: tuple[Param, ...] = ()
+    cores: float = 0.0
+    """Cores the engines share with the serving processes (`bench.sim.engine.HostCpu`);
+    0: each engine has its own (GPU engines)."""
+    leg_s: float = 0.0
+    """An engine leg's time to its first output beyond the engine's own steps: the
+    replica's request handling and the front end's output path (0 on GPU: no figure)."""
+    host_cpu_per_turn_s: float = 0.0
+    """CPU seconds the serving processes (ingress, proxy, engine front ends and schedulers,
+    client) spend on one turn, beside the engines' model work."""
 
 
 # -- the CPU fleet study's VM ------------------------------------------------------------
@@ -104,6 +115,12 @@ over a history all decoded over one shared history and cost 2-3x less a sequence
 single ones (most likely its KV served from the CPU's cache), where the fleet's streams
 each read their own: those points are left out. `bench.prefill_cost --grid` now gives
 each sequence its own history."""
+
+
+CPU_LEG_S = 0.010
+"""An engine leg's time to its first output beyond the grid's prediction (`Hardware.leg_s`)."""
+CPU_HOST_CPU_PER_TURN_S = 0.20
+"""The serving processes' CPU seconds per turn in the fleet study (`Hardware.host_cpu_per_turn_s`)."""
 
 
 def cpu_fleet() -> Hardware:
@@ -193,6 +210,21 @@ def cpu_fleet() -> Hardware:
             "store calls / shard capacity",
         ),
         Param("kv per engine", "1 GiB", "bench/profiles.py kv_cache_bytes (fleet profile)", "pinned KV"),
+        Param(
+            "leg_s",
+            f"{CPU_LEG_S * 1e3:.0f} ms",
+            "the fleet study's engine timings at 4 agents (2026-12-06 runs, not the validated one): "
+            "`decode_engine_s` and `prefill_engine_s` less the grid's prediction, medians 9-15 ms",
+            "TTFT p50 of short turns",
+        ),
+        Param("cores", "2", "the VM's", "ITL p99 and goodput at 16+ agents"),
+        Param(
+            "host CPU per turn",
+            f"{CPU_HOST_CPU_PER_TURN_S:.2f} s",
+            "`bench.hostcpu` around each level of the fleet study (`python -m bench --profile fleet "
+            "--modes dp,oneway,bidir,bidir-pd`, 2026-12-06): 0.13-0.32 s a turn over its 12 levels",
+            "ITL p99 and goodput at 16+ agents",
+        ),
     )
     return Hardware(
         name="cpu-2core",
@@ -208,6 +240,9 @@ def cpu_fleet() -> Hardware:
         gpus_per_engine=0,
         hbm_bytes_per_engine=0.0,
         params=params,
+        cores=2.0,
+        host_cpu_per_turn_s=CPU_HOST_CPU_PER_TURN_S,
+        leg_s=CPU_LEG_S,
     )
 
 
@@ -291,7 +326,11 @@ def gpu_qwen3_32b(
             "TP", str(tp), "the published 1P1D ran TP8 (validation); projections TP2", "engines per GPU count"
         ),
         Param(
-            "MFU", f"{mfu:.3f}", "fitted to the published one-way TTFT 778 ms at 24k", "every TTFT, goodput"
+            "MFU",
+            f"{mfu:.3f}",
+            "fitted to the published one-way mean TTFT 778 ms (vLLM's multi-turn benchmark, "
+            "first prompts of 24k tokens: `bench.sim.validate`)",
+            "every TTFT, goodput",
         ),
         Param("EFA", "50 GB/s per GPU", "AWS p5en: 3,200 Gbps per 8 GPUs", "bidir pull time"),
         Param(
@@ -306,7 +345,10 @@ def gpu_qwen3_32b(
         ),
         Param("chunk_tokens", "2048", "vLLM 0.32 default for AsyncLLM (SchedulerConfig)", "ITL p99"),
         Param(
-            "hop_s, store_call_s, ingress_s", "10, 2.5, 27.4 ms", "CPU-measured (host-side work)", "TTFT p50"
+            "hop_s, store_call_s, ingress_s, leg_s",
+            "10, 2.5, 27.4, 10 ms",
+            "CPU-measured (host-side work)",
+            "TTFT p50",
         ),
     )
     return Hardware(
@@ -323,4 +365,5 @@ def gpu_qwen3_32b(
         gpus_per_engine=tp,
         hbm_bytes_per_engine=hbm * tp,
         params=params,
+        leg_s=CPU_LEG_S,
     )
