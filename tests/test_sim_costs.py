@@ -247,6 +247,7 @@ def test_host_demand_follows_the_turns_begun():
         cpu.turn_begun()
     assert cpu.host_cores() == pytest.approx(0.4)  # 10 turns in 5 s, 0.2 CPU-s each
     assert cpu.stretch() == 1.0  # no engine busy: 0.4 of 2 cores
+    assert HostCpu(env, 0.5, 0.0).host_stretch() == 2.0  # the host's own work, alone on half a core
     env.run(until=6.0)
     assert cpu.host_cores() == 0.0
     with pytest.raises(ValueError):

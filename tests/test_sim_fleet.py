@@ -161,7 +161,9 @@ def test_a_new_session_is_priced_on_the_least_loaded_replica():
     assert state.least_loaded(["d0", "d1"]) == "d0"
     # Under the priced rule, short first turns stay on decode and spread over both.
     trace = replace(SHAPE, sessions=8, system_tokens=100, tool_median_tokens=100).generate()
-    fleet, run = _run("bidir", trace, decode=2)
+    # Engines on cores of their own: no stream comes late, so no budget sends one through prefill.
+    fleet = Fleet(FleetSpec("bidir", replace(cpu_fleet(), cores=0.0), decode=2))
+    run = fleet.run(trace)
     firsts = [t for t in run.turns if t.turn == 1]
     assert all(t.route == "local:short" for t in firsts if t.prompt_tokens <= 512)
     assert {e.name for e in fleet.decode if e.stats.computed_tokens} == {"d0", "d1"}
@@ -236,3 +238,16 @@ def test_a_legs_own_time_reaches_the_first_token():
     assert ttft[0.05]["dp"] == pytest.approx(ttft[0.0]["dp"] + 0.05)
     # Through prefill: the prefill leg's and the decode leg's.
     assert ttft[0.05]["bidir-pd"] == pytest.approx(ttft[0.0]["bidir-pd"] + 0.10)
+
+
+def test_shared_cores_stretch_the_engines_and_the_host():
+    """On half a core a lone turn's engine steps take twice as long, and its host-side
+    costs twice (alone) to four times (beside the busy engine) as long."""
+    trace = Trace((TraceSession("a", 0.0, 100, (TraceTurn("user", 200, 5),)),))
+    base = replace(cpu_fleet(), host_cpu_per_turn_s=0.0)
+    alone_fleet = Fleet(FleetSpec("dp", replace(base, cores=0.0)))
+    alone = alone_fleet.run(trace).turns[0]
+    shared_fleet = Fleet(FleetSpec("dp", replace(base, cores=0.5)))
+    shared = shared_fleet.run(trace).turns[0]
+    assert shared_fleet.decode[0].stats.busy_s == pytest.approx(2 * alone_fleet.decode[0].stats.busy_s)
+    assert 2 * alone.ttft_s < shared.ttft_s < 4 * alone.ttft_s

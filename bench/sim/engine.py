@@ -72,6 +72,12 @@ class HostCpu:
             if e is not source and e.in_stretch and not e._wake.triggered:
                 e._wake.succeed()
 
+    def host_stretch(self) -> float:
+        """How much longer the serving processes' own work takes than on a core of its own:
+        as `stretch`, the host counted as at least one runnable task."""
+        busy = sum(1 for e in self.engines if not e.idle())
+        return max(1.0, (busy + max(1.0, self.host_cores())) / self.cores)
+
     def stretch(self) -> float:
         """How much longer a step takes than on a core of its own: busy engines and the
         host's demand over the cores, at least 1."""

@@ -249,11 +249,16 @@ class Fleet:
             engine = self._affinity[session] = self._least_loaded(self.decode)
         return engine
 
+    def _host_s(self, seconds: float) -> float:
+        """Host-side work (hops, the store, the ingress, a leg's overhead) as long as the
+        cores' sharing stretches it now, as it stretches the engines' steps."""
+        return seconds if self.cpu is None else seconds * self.cpu.host_stretch()
+
     def _first(self, record: TurnResult, job: Job) -> None:
         """The turn's first token reached the ingress now (its engine's first output and
         `leg_s` ago); the client sees it `ingress_s` after its request's own share."""
         assert job.first_at is not None
-        record.ttft_s = self.env.now - record.start_s + self.spec.hw.ingress_s
+        record.ttft_s = self.env.now - record.start_s + self._host_s(self.spec.hw.ingress_s)
         if self._bound is not None and record.ttft_s > self._bound[0]:
             self._late += 1
             if self._late > self._bound[1] and not self._abort.triggered:
@@ -263,14 +268,14 @@ class Fleet:
 
     def _dp_turn(self, session: str, prompt: int, answer: int, record: TurnResult) -> TurnProcess:
         hw = self.spec.hw
-        yield self.env.timeout(hw.store_call_s + hw.hop_s)
+        yield self.env.timeout(self._host_s(hw.store_call_s + hw.hop_s))
         engine = self._decode_of(session)
         cache = self.caches[engine.name]
         cached = min(cache.hit(session), prompt - 1)
         job = engine.submit(Job(prompt - cached, cached, answer))
         record.computed_tokens, record.route = prompt - cached, "single"
         yield job.first
-        yield self.env.timeout(self.spec.hw.leg_s)
+        yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
         self._first(record, job)
         yield job.done
         cache.insert(session, prompt + answer, engine.blocks_in_use * hw.block_size)
@@ -282,7 +287,7 @@ class Fleet:
         claim, history = None, 0
         replica = self._affinity.get(session)
         if store is not None:
-            yield self.env.timeout(hw.store_call_s)
+            yield self.env.timeout(self._host_s(hw.store_call_s))
             claim = store.begin_turn(session)
             self._result.store_calls += 1
             if claim.handle is not None:
@@ -312,12 +317,12 @@ class Fleet:
             outcome = TurnOutcome.PULLED if pulled else TurnOutcome.UNUSED
             target = self._decode_of(session)
             holds = history if (pulled and target is replica) else 0
-            yield self.env.timeout(hw.hop_s)
+            yield self.env.timeout(self._host_s(hw.hop_s))
             called = self.env.now
             yield self.env.timeout(hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token))
             job = target.submit(Job(0, prompt, answer))
             yield job.first
-            yield self.env.timeout(self.spec.hw.leg_s)
+            yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
             self._first(record, job)
             self.placement.handoff.observe(self.env.now - called)
         yield from self._stream(target, job)
@@ -335,11 +340,11 @@ class Fleet:
     ) -> Generator[Any, Any, Job]:
         hw = self.spec.hw
         first = self.placement.local_leg(target.name, new)
-        yield self.env.timeout(hw.hop_s)
+        yield self.env.timeout(self._host_s(hw.hop_s))
         job = target.submit(Job(new, prompt - new, answer))
         record.computed_tokens, record.route = new, f"local:{reason}"
         yield job.first
-        yield self.env.timeout(self.spec.hw.leg_s)
+        yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
         self._first(record, job)
         first()(new)
         return job
@@ -350,12 +355,12 @@ class Fleet:
         new = prompt - history
         end = self.placement.prefill_leg(new)
         engine = self._least_loaded(self.prefill)
-        yield self.env.timeout(hw.hop_s)
+        yield self.env.timeout(self._host_s(hw.hop_s))
         if history:
             yield self.env.timeout(hw.link.transfer_s(history, hw.kv_bytes_per_token))
         job = engine.submit(Job(new, history, 0))
         yield job.done
-        yield self.env.timeout(hw.leg_s)
+        yield self.env.timeout(self._host_s(hw.leg_s))
         end(new)
         record.computed_tokens = new
         record.route = "prefill" if history else "prefill-recompute"
