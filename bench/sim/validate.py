@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
-from bench.sim.params import Hardware, cpu_fleet, gpu_qwen3_32b
+from bench.sim.params import GPU_NIXL_LATENCY_S, Hardware, cpu_fleet, gpu_qwen3_32b
 from bench.sim.study import run_mode
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
 
@@ -88,12 +88,15 @@ def benchmark_trace(first_prompt: int = GPU_HISTORY_TOKENS, seed: int = 0) -> Tr
     return Trace(tuple(sessions), source="vllm-multi-turn-benchmark")
 
 
-def gpu_mean_ttft(mode: str, mfu: float, placement: str = "priced", **hw: float) -> tuple[float, float]:
+def gpu_mean_ttft(
+    mode: str, mfu: float, placement: str = "priced", nixl_latency_s: float = GPU_NIXL_LATENCY_S
+) -> tuple[float, float]:
     """(mean TTFT of every request, mean TTFT of the turns after each conversation's
-    first) of the multi-turn benchmark on 1P1D TP8 H200 (`hw`: `gpu_qwen3_32b` keywords)."""
+    first) of the multi-turn benchmark on 1P1D TP8 H200."""
     from bench.sim.fleet import Fleet
 
-    fleet = Fleet(FleetSpec(mode, gpu_qwen3_32b(tp=8, mfu=mfu, **hw), placement=placement))
+    hw = gpu_qwen3_32b(tp=8, mfu=mfu, nixl_latency_s=nixl_latency_s)
+    fleet = Fleet(FleetSpec(mode, hw, placement=placement))
     run = fleet.run_clients(benchmark_trace(), BENCH_CLIENTS, BENCH_ACTIVE)
     every = [t.ttft_s for t in run.turns]
     later = [t.ttft_s for t in run.turns if t.turn > 1]
