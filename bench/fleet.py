@@ -390,16 +390,15 @@ def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
     counter = TokenCounter(model_path)
     started = time.perf_counter()
     runs: dict[str, dict] = {}
+    sessions_per_agent = getattr(args, "level_sessions", 1)
     with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         for mode in modes:
-            runs[mode] = run_mode(
-                cluster, prof, mode, model_path, counter, slo, log, getattr(args, "level_sessions", 1)
-            )
+            runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log, sessions_per_agent)
     results = {
         "profile": prof.name,
         "slo": asdict(slo),
         "levels": list(LEVELS[prof.name]),
-        "sessions_per_agent": getattr(args, "level_sessions", 1),
+        "sessions_per_agent": sessions_per_agent,
         "trace": asdict(prof.trace) if prof.trace else None,
         "modes": runs,
         "ratios": ratios(runs),

@@ -75,14 +75,16 @@ class HostCpu:
     def host_stretch(self) -> float:
         """How much longer the serving processes' own work takes than on a core of its own:
         as `stretch`, the host counted as at least one runnable task."""
-        busy = sum(1 for e in self.engines if not e.idle())
-        return max(1.0, (busy + max(1.0, self.host_cores())) / self.cores)
+        return self._shared(max(1.0, self.host_cores()))
 
     def stretch(self) -> float:
         """How much longer a step takes than on a core of its own: busy engines and the
         host's demand over the cores, at least 1."""
+        return self._shared(self.host_cores())
+
+    def _shared(self, host: float) -> float:
         busy = sum(1 for e in self.engines if not e.idle())
-        return max(1.0, (busy + self.host_cores()) / self.cores)
+        return max(1.0, (busy + host) / self.cores)
 
 
 @dataclass(eq=False)

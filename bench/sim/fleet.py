@@ -23,7 +23,7 @@ benchmark drives one deployment.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,24 +157,11 @@ class Fleet:
 
         `ttft_bound` (seconds, quantile): stop as soon as more turns took longer than
         the bound than the quantile allows (the level has missed; `aborted`)."""
-        self._result = result = RunResult(start_s=self.env.now)
-        engines = self.prefill + self.decode
-        itl_from = {e.name: len(e.stats.itl) for e in engines}
-        computed_from = sum(e.stats.computed_tokens for e in engines)
-        self._bound = None
-        self._abort = self.env.event()
+        bound = None
         if ttft_bound is not None:
             total = sum(len(s.turns) for s in trace.sessions)
-            allowed = total - math.ceil(ttft_bound[1] * total)
-            self._bound = (ttft_bound[0], allowed)
-            self._late = 0
-        procs = [self.env.process(self._session(s, self.env.now)) for s in trace.sessions]
-        self.env.run(until=simpy.AllOf(self.env, procs) | self._abort)
-        result.aborted = self._abort.triggered
-        result.end_s = self.env.now
-        result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
-        result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
-        return result
+            bound = (ttft_bound[0], total - math.ceil(ttft_bound[1] * total))
+        return self._measured(lambda: [self._session(s, self.env.now) for s in trace.sessions], bound)
 
     def run_clients(self, trace: Trace, clients: int, active: int) -> RunResult:
         """`trace`'s sessions as vLLM's multi-turn benchmark sends them (`--num-clients`,
@@ -184,31 +171,35 @@ class Fleet:
         not used."""
         if clients < 1 or active < clients:
             raise ValueError("at least one client, and one active conversation per client")
+        waiting = list(reversed(trace.sessions))
+        shares = [active // clients + (1 if c < active % clients else 0) for c in range(clients)]
+
+        def client(share: int) -> TurnProcess:
+            open_: deque[tuple[TraceSession, int, int]] = deque()  # (session, next turn, history)
+            while waiting or open_:
+                while waiting and len(open_) < share:
+                    s = waiting.pop()
+                    open_.append((s, 0, s.system_tokens))
+                s, i, history = open_.popleft()
+                history = yield from self._turn(s, i, history)
+                if i + 1 < len(s.turns):
+                    open_.append((s, i + 1, history))
+
+        return self._measured(lambda: [client(share) for share in shares])
+
+    def _measured(
+        self, processes: Callable[[], list[TurnProcess]], bound: tuple[float, int] | None = None
+    ) -> RunResult:
+        """Run `processes` (made now) to their end, or until `bound` (seconds, turns
+        allowed past them) is overrun; what the engines did meanwhile."""
         self._result = result = RunResult(start_s=self.env.now)
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
         computed_from = sum(e.stats.computed_tokens for e in engines)
-        self._bound = None
-        waiting = list(trace.sessions)
-        waiting.reverse()
-        shares = [active // clients + (1 if c < active % clients else 0) for c in range(clients)]
-
-        def client(share: int) -> TurnProcess:
-            # Each open conversation: [session, next turn, history].
-            open_: list[list[Any]] = []
-            while waiting or open_:
-                while waiting and len(open_) < share:
-                    s = waiting.pop()
-                    open_.append([s, 0, s.system_tokens])
-                conv = open_.pop(0)
-                s, i, history = conv
-                conv[2] = yield from self._turn(s, i, history)
-                conv[1] = i + 1
-                if conv[1] < len(s.turns):
-                    open_.append(conv)
-
-        procs = [self.env.process(client(share)) for share in shares]
-        self.env.run(until=simpy.AllOf(self.env, procs))
+        self._bound, self._late, self._abort = bound, 0, self.env.event()
+        procs = [self.env.process(p) for p in processes()]
+        self.env.run(until=simpy.AllOf(self.env, procs) | self._abort)
+        result.aborted = self._abort.triggered
         result.end_s = self.env.now
         result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
@@ -275,7 +266,7 @@ class Fleet:
         job = engine.submit(Job(prompt - cached, cached, answer))
         record.computed_tokens, record.route = prompt - cached, "single"
         yield job.first
-        yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
+        yield self.env.timeout(self._host_s(hw.leg_s))
         self._first(record, job)
         yield job.done
         cache.insert(session, prompt + answer, engine.blocks_in_use * hw.block_size)
@@ -322,7 +313,7 @@ class Fleet:
             yield self.env.timeout(hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token))
             job = target.submit(Job(0, prompt, answer))
             yield job.first
-            yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
+            yield self.env.timeout(self._host_s(hw.leg_s))
             self._first(record, job)
             self.placement.handoff.observe(self.env.now - called)
         yield from self._stream(target, job)
@@ -344,7 +335,7 @@ class Fleet:
         job = target.submit(Job(new, prompt - new, answer))
         record.computed_tokens, record.route = new, f"local:{reason}"
         yield job.first
-        yield self.env.timeout(self._host_s(self.spec.hw.leg_s))
+        yield self.env.timeout(self._host_s(hw.leg_s))
         self._first(record, job)
         first()(new)
         return job

@@ -18,12 +18,16 @@ import ray
 from tests.e2e.helpers import MODEL, SYSTEM, chat, kv_stats, reference_tokens
 
 
+def _replica_names(deployment: str) -> list[str]:
+    """The live replica actors of `deployment`, as Ray lists them."""
+    prefix = f"SERVE_REPLICA::pd#{deployment}#"
+    names = (a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+    return [name for name in names if name.startswith(prefix)]
+
+
 def _replica_actor(deployment: str, replica: str | None = None):
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        name = a["name"]
-        if name.startswith(f"SERVE_REPLICA::pd#{deployment}#") and (
-            replica is None or name.endswith(replica)
-        ):
+    for name in _replica_names(deployment):
+        if replica is None or name.endswith(replica):
             return ray.get_actor(name, namespace="serve")
     raise AssertionError(f"no live {deployment} replica {replica or ''}")
 
@@ -42,12 +46,6 @@ def _wait_running(deployment: str, replicas: int, within_s: float = 600.0) -> No
     raise AssertionError(f"{deployment} not back to {replicas} replicas: {states}")
 
 
-def _replica_names(deployment: str) -> set[str]:
-    prefix = f"SERVE_REPLICA::pd#{deployment}#"
-    actors = ray.util.list_named_actors(all_namespaces=True)
-    return {a["name"] for a in actors if a["name"].startswith(prefix)}
-
-
 def _wait_noticed(deployment: str, replicas: int, before: set[str], within_s: float = 120.0) -> None:
     """Until Serve's controller counts fewer than `replicas` running replicas of `deployment`
     (it notices a killed replica within seconds; until then `_wait_running` would pass), or
@@ -60,7 +58,7 @@ def _wait_noticed(deployment: str, replicas: int, before: set[str], within_s: fl
         states = serve.status().applications["pd"].deployments[deployment].replica_states
         if states.get("RUNNING", 0) < replicas or sum(states.values()) != states.get("RUNNING", 0):
             return
-        if _replica_names(deployment) - before:
+        if set(_replica_names(deployment)) - before:
             return
         time.sleep(1)
     raise AssertionError(f"Serve never noticed a killed {deployment} replica: {states}")
@@ -146,7 +144,7 @@ def _killed_mid_stream(url: str, path: str, body: dict, plain: dict, session: st
                 continue
             events.append(json.loads(line.removeprefix("data: ")))
             if not killed and output(events[-1]):
-                names = _replica_names("DecodeServer")
+                names = set(_replica_names("DecodeServer"))
                 ray.kill(_replica_actor("DecodeServer", victim), no_restart=True)
                 killed = True
     assert killed, events[-3:]
