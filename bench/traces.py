@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.stats import nearest_rank
@@ -81,6 +81,15 @@ class TraceSession:
 class Trace:
     sessions: tuple[TraceSession, ...]
     source: str = "generated"
+
+    def renamed(self, prefix: str) -> Trace:
+        """The same sessions with `prefix` before every session id (and parent): a trace
+        whose sessions share nothing with another's (no cache, no handles)."""
+        sessions = tuple(
+            replace(s, session_id=prefix + s.session_id, parent=s.parent and prefix + s.parent)
+            for s in self.sessions
+        )
+        return replace(self, sessions=sessions)
 
     def stats(self) -> dict:
         """The shape as measured: what a generator's parameters should be close to."""

@@ -11,7 +11,7 @@ import pytest
 from bench.sim import policy
 from bench.sim.fleet import MODES, Fleet, FleetSpec
 from bench.sim.params import cpu_fleet, gpu_qwen3_32b
-from bench.sim.study import level_figures, weighted_quantile
+from bench.sim.study import level_figures, level_trace, warmup_trace, weighted_quantile
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
 
 SHAPE = TraceShape(
@@ -48,6 +48,29 @@ def test_every_turn_is_answered_and_the_engines_end_empty(mode):
     assert sum(t.computed_tokens for t in run.turns) == run.computed_tokens
     answers = sum(t.answer_tokens for s in trace.sessions for t in s.turns)
     assert sum(e.stats.decoded_tokens for e in fleet.decode) == answers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_level_starts_cold_as_the_benchmarks_do(mode):
+    # The benchmark gives every level (and the warm-up) its own system prompts: a level's
+    # first turns find nothing of the level before in the caches or the store.
+    fleet = Fleet(FleetSpec(mode, cpu_fleet(), decode=2 if mode == "dp" else 1))
+    fleet.run(warmup_trace(SHAPE))
+    fleet.run(level_trace(SHAPE, 2))
+    run = fleet.run(level_trace(SHAPE, 4))
+    firsts = [t for t in run.turns if t.turn == 1]
+    assert len(firsts) == 4
+    assert all(t.computed_tokens == t.prompt_tokens for t in firsts)
+    assert all(t.route in ("single", "prefill-recompute") or t.route.startswith("local") for t in firsts)
+
+
+def test_renamed_traces_share_no_session():
+    trace = SHAPE.generate()
+    a, b = trace.renamed("a/"), trace.renamed("b/")
+    ids = {s.session_id for s in a.sessions}
+    assert len(ids) == len(trace.sessions) and not ids & {s.session_id for s in b.sessions}
+    assert [s.turns for s in a.sessions] == [s.turns for s in trace.sessions]
+    assert all(s.parent is None or s.parent in ids for s in a.sessions)
 
 
 def test_prompts_follow_the_trace():

@@ -86,12 +86,15 @@ def _routes(run: RunResult) -> dict[str, int]:
 
 def warmup_trace(shape: TraceShape) -> Trace:
     """The benchmark's warm-up: one session of three turns (`bench.fleet.run_mode`)."""
-    return replace(shape, sessions=1, turns_median=3, turns_max=3).generate()
+    return replace(shape, sessions=1, turns_median=3, turns_max=3).generate().renamed("warmup/")
 
 
 def level_trace(shape: TraceShape, agents: int) -> Trace:
-    """A level's agents arriving within `ARRIVAL_WINDOW_S` (`bench.fleet.run_mode`)."""
-    return replace(shape, sessions=agents, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S).generate()
+    """A level's agents arriving within `ARRIVAL_WINDOW_S` (`bench.fleet.run_mode`), with
+    session ids of their own: like the benchmark's levels, they find nothing of another
+    level's (or the warm-up's) in the caches or the store."""
+    trace = replace(shape, sessions=agents, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S).generate()
+    return trace.renamed(f"level{agents}/")
 
 
 def run_mode(
