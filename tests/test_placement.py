@@ -11,7 +11,7 @@ import pytest
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.turn.events import TurnCount
-from app.turn.pacing import DecodeStreams, LateTokens, LegPace, LineFit
+from app.turn.pacing import DecodeStreams, LateTokens, LegCost, LegPace, LineFit
 from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from connector.handle import KVHandle, Location, local_decode_params
 
@@ -196,13 +196,54 @@ def test_fixed_costs_are_priced_on_both_sides():
 
 def test_a_pools_legs_give_a_fixed_cost_and_a_cost_per_token():
     pace = LegPace()
-    assert pace.cost() == (0.0, None)
+    assert pace.cost() == LegCost(0.0, None, 0.0)
     for tokens in (100, 2000, 300, 1500, 800, 120, 1800, 600):
         pace.observe(tokens, 0.04 + 0.0002 * tokens)
-    fixed, per_token = pace.cost()
+    fixed, per_token, per_context = pace.cost()
     assert fixed == pytest.approx(0.04, rel=0.05) and per_token == pytest.approx(0.0002, rel=0.05)
+    assert per_context == 0.0  # every leg over no history: nothing to tell the term apart
     # The pace per token alone (kept for deadlines) carries the fixed cost of short legs.
     assert pace.seconds_per_token > 0.0002 * 1.05
+
+
+def test_legs_over_histories_give_a_cost_per_token_of_context():
+    # A CPU engine: 5 ms a leg, 75 us a token, 48 ns a token per token of history.
+    pace = LegPace()
+    legs = [(1100, 0), (120, 3000), (300, 6000), (90, 1500), (800, 4000), (1000, 0), (200, 8000), (150, 500)]
+    for _ in range(2):
+        for new, context in legs:
+            pace.observe(new, 0.005 + 75e-6 * new + 48e-9 * new * context, context_tokens=context)
+    cost = pace.cost()
+    assert cost.fixed == pytest.approx(0.005, rel=0.05)
+    assert cost.per_token == pytest.approx(75e-6, rel=0.05)
+    assert cost.per_context == pytest.approx(48e-9, rel=0.05)
+    assert cost.per_token_at(5000) == pytest.approx(75e-6 + 5000 * 48e-9, rel=0.05)
+    # The line through tokens alone would price a first turn at the long histories' pace.
+    line_only = LegPace()
+    for _ in range(2):
+        for new, context in legs:
+            line_only.observe(new, 0.005 + 75e-6 * new + 48e-9 * new * context)
+    assert line_only.cost().per_context == 0.0
+
+
+def test_a_first_turn_is_priced_without_the_histories_attention():
+    # The replica's turns ran over long histories (0.3 ms a token there); a first turn
+    # attends over nothing, so it is as quick there as on prefill and skips the hand-off.
+    over_history = DecodeLoad(75e-6, 0, 0, None, 0.005, 0, seconds_per_context=48e-9)
+    prefill = PrefillLoad(75e-6, 0, 30 * MS, 0.005, 48e-9)
+    first = place(1100, prefill, over_history, LIMITS, context=0)
+    assert first.local and first.reason is Reason.SOONER
+    assert first.decode_s == pytest.approx(0.005 + 1100 * 75e-6)
+    # Over a 5k history each of its chunks stalls the replica's streams past the target.
+    streaming = DecodeLoad(75e-6, 0, 2, 10 * MS, 0.005, 0, seconds_per_context=48e-9)
+    long = place(1100, prefill, streaming, LIMITS, context=5000)
+    assert long.reason is Reason.ITL
+    assert long.stream_step_s == pytest.approx(0.010 + (75e-6 + 5000 * 48e-9) * 256)
+    # Over no history the same chunks fit the target (the streams' steps are priced in
+    # its first token instead).
+    first_streaming = place(1100, prefill, streaming, LIMITS, context=0)
+    assert first_streaming.reason is not Reason.ITL and first_streaming.late_outputs == 0
+    assert first_streaming.stream_step_s == pytest.approx(0.010 + 75e-6 * 256)
 
 
 def test_legs_of_one_size_give_no_line_and_the_pace_stands_in():
@@ -210,7 +251,7 @@ def test_legs_of_one_size_give_no_line_and_the_pace_stands_in():
     for _ in range(20):
         pace.observe(500, 0.15)
     assert pace.line.fit() is None
-    assert pace.cost() == (0.0, pytest.approx(0.15 / 500))
+    assert pace.cost() == (0.0, pytest.approx(0.15 / 500), 0.0)
     few = LineFit()
     for tokens in (100, 2000, 300):
         few.observe(tokens, 0.04 + 0.0002 * tokens)

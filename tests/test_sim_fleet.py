@@ -133,22 +133,25 @@ def test_placement_is_the_apps():
 
 
 def test_placement_reads_the_apps_paces_as_the_ingress_does(monkeypatch):
-    """`place` gets prefill's and the replica's (fixed, per token) line fits and the
-    replica's late budget, as `Turns._placement_of` builds them."""
+    """`place` gets prefill's and the replica's (fixed, per token, per token of context)
+    fits, the turn's history and the replica's late budget, as `Turns._placement_of`
+    builds them."""
     now = [0.0]
     state = policy.PlacementState(lambda: now[0], policy.transfer_config(), 256)
-    for i in range(12):  # legs of 100-1,200 tokens at 0.2 s + 0.1 ms a token
-        tokens = 100 + 100 * i
-        end = state.prefill_leg(tokens)
-        now[0] += 0.2 + 1e-4 * tokens
+    for i in range(12):  # legs of 100-1,200 tokens at 0.2 s + 0.1 ms a token + 50 ns per context token
+        tokens, context = 100 + 100 * i, (i % 4) * 2000
+        end = state.prefill_leg(tokens, context)
+        now[0] += 0.2 + 1e-4 * tokens + 5e-8 * tokens * context
         end(tokens)
     seen = []
     real = policy.placement.place
     monkeypatch.setattr(policy.placement, "place", lambda *a: seen.append(a) or real(*a))
-    state.place(100, "d0")
-    _, prefill, decode, limits = seen[-1]
+    state.place(100, "d0", 3000)
+    _, prefill, decode, limits, context = seen[-1]
     assert prefill.fixed_s == pytest.approx(0.2, rel=1e-6)
     assert prefill.seconds_per_token == pytest.approx(1e-4, rel=1e-6)
+    assert prefill.seconds_per_context == pytest.approx(5e-8, rel=1e-6)
+    assert context == 3000
     assert decode.late_budget == state.streams.of("d0").late.budget
     assert limits.chunk_tokens == 256
 

@@ -176,7 +176,10 @@ class Legs:
         finally:
             self.pace.tokens_in_flight -= new_tokens
         self.pace.observe(
-            len(request.prompt_token_ids) - final.num_cached_tokens, time.monotonic() - started, ahead
+            len(request.prompt_token_ids) - final.num_cached_tokens,
+            time.monotonic() - started,
+            ahead,
+            final.num_cached_tokens,
         )
         return final
 

@@ -18,13 +18,28 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from app.engines.wire import EngineChunk, EngineRequest
 from connector.handle import KVHandle, Location, WireError
 
 if TYPE_CHECKING:
     from app.turn.model import EngineClients
+
+
+class LegCost(NamedTuple):
+    """What a leg on one pool costs: `fixed + per_token * tokens + per_context * new *
+    context` seconds, for `tokens` to compute (its own and those of the legs ahead of it),
+    `new` of its own over `context` tokens already cached (attention reads the history for
+    every new token: a turn over a long history costs more per token than a first turn)."""
+
+    fixed: float
+    per_token: float | None
+    per_context: float = 0.0
+
+    def per_token_at(self, context: int) -> float | None:
+        """Seconds per new token over `context` cached tokens (None: unmeasured)."""
+        return None if self.per_token is None else self.per_token + self.per_context * max(0, context)
 
 
 class LegPace:
@@ -47,26 +62,30 @@ class LegPace:
         self.seconds_per_token: float | None = None
         self.tokens_in_flight = 0
         self.line = LineFit()
-        """The same legs as a fixed cost plus a cost per token (`cost`), for placement."""
+        """The same legs as a fixed cost, a cost per token and one per token of context
+        (`cost`), for placement."""
 
-    def observe(self, computed_tokens: int, seconds: float, ahead_tokens: int = 0) -> None:
-        """A leg computed `computed_tokens` in `seconds`, after `ahead_tokens` of legs
-        that were in flight when it started."""
+    def observe(
+        self, computed_tokens: int, seconds: float, ahead_tokens: int = 0, context_tokens: int = 0
+    ) -> None:
+        """A leg computed `computed_tokens` over `context_tokens` already cached in
+        `seconds`, after `ahead_tokens` of legs that were in flight when it started."""
         if computed_tokens < self.MIN_TOKENS or seconds <= 0:
             return
         tokens = computed_tokens + max(0, ahead_tokens)
         pace = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = pace if old is None else old + self._weight * (pace - old)
-        self.line.observe(tokens, seconds)
+        self.line.observe(tokens, seconds, computed_tokens * max(0, context_tokens))
 
-    def cost(self) -> tuple[float, float | None]:
-        """(fixed seconds, seconds per token) of a leg: the line through the legs measured
-        once they spread enough to tell the two apart, else (0, `seconds_per_token`). A
-        pool that computes mostly short legs has a pace per token inflated by their fixed
-        cost; the line keeps that from pricing its long legs too high."""
-        line = self.line.fit()
-        return line if line is not None else (0.0, self.seconds_per_token)
+    def cost(self) -> LegCost:
+        """A leg's `LegCost`: the fit through the legs measured once they spread enough to
+        tell the terms apart, else (0, `seconds_per_token`, 0). A pool that computes mostly
+        short legs has a pace per token inflated by their fixed cost; the fit keeps that
+        from pricing its long legs too high, and its context term from pricing a first
+        turn (no history) at the pace of turns over long ones."""
+        fit = self.line.fit()
+        return fit if fit is not None else LegCost(0.0, self.seconds_per_token)
 
     def deadline(self, new_tokens: int, base_s: float) -> float:
         """Seconds a leg computing `new_tokens` (started now) may take: `base_s` plus
@@ -84,37 +103,58 @@ class LegPace:
 
 
 class LineFit:
-    """`seconds = fixed + per_token * tokens`, fitted to legs as they end: moving averages
-    of the tokens, seconds and their products, so that old legs fade as the load changes."""
+    """`seconds = fixed + per_token * tokens + per_context * work`, fitted to legs as they
+    end (`work`: a leg's new tokens times the context they attend over): moving averages
+    of the terms and their products, so that old legs fade as the load changes. Where the
+    legs do not spread enough in `work` to tell its term apart (all over one context, or
+    work in step with tokens), the line through `tokens` alone."""
 
     MIN_LEGS = 8
     SPREAD = 0.25
-    """The legs' tokens must spread by this share of their mean before a line is fitted."""
+    """A term must spread by this share of its mean before it is fitted."""
+    MAX_CORRELATION = 0.95
+    """Tokens and work this correlated (r^2) cannot be told apart: the line alone."""
 
     def __init__(self, weight: float = 0.1):
         self._weight = weight
         self._legs = 0
-        self._x = self._y = self._xx = self._xy = 0.0
+        self._x = self._w = self._y = 0.0
+        self._xx = self._ww = self._xw = self._xy = self._wy = 0.0
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        w = 1.0 if self._legs == 0 else self._weight
+    def observe(self, tokens: float, seconds: float, work: float = 0.0) -> None:
+        a = 1.0 if self._legs == 0 else self._weight
         self._legs += 1
-        self._x += w * (tokens - self._x)
-        self._y += w * (seconds - self._y)
-        self._xx += w * (tokens * tokens - self._xx)
-        self._xy += w * (tokens * seconds - self._xy)
+        self._x += a * (tokens - self._x)
+        self._w += a * (work - self._w)
+        self._y += a * (seconds - self._y)
+        self._xx += a * (tokens * tokens - self._xx)
+        self._ww += a * (work * work - self._ww)
+        self._xw += a * (tokens * work - self._xw)
+        self._xy += a * (tokens * seconds - self._xy)
+        self._wy += a * (work * seconds - self._wy)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, per_token), or None: too few legs, too little spread, or no line with a
-        positive cost per token and a fixed cost of at least 0."""
-        var = self._xx - self._x * self._x
-        if self._legs < self.MIN_LEGS or var <= (self.SPREAD * self._x) ** 2:
+    def fit(self) -> LegCost | None:
+        """The cost, or None: too few legs, too little spread in tokens, or no fit with
+        positive costs per token, a context cost and a fixed cost of at least 0."""
+        var_x = self._xx - self._x * self._x
+        if self._legs < self.MIN_LEGS or var_x <= (self.SPREAD * self._x) ** 2:
             return None
-        per_token = (self._xy - self._x * self._y) / var
+        cov_xy = self._xy - self._x * self._y
+        var_w = self._ww - self._w * self._w
+        cov_xw = self._xw - self._x * self._w
+        det = var_x * var_w - cov_xw * cov_xw
+        if var_w > (self.SPREAD * self._w) ** 2 and det > (1 - self.MAX_CORRELATION) * var_x * var_w:
+            cov_wy = self._wy - self._w * self._y
+            per_token = (cov_xy * var_w - cov_wy * cov_xw) / det
+            per_context = (cov_wy * var_x - cov_xy * cov_xw) / det
+            fixed = self._y - per_token * self._x - per_context * self._w
+            if per_token > 0 and per_context >= 0 and fixed >= 0:
+                return LegCost(fixed, per_token, per_context)
+        per_token = cov_xy / var_x
         fixed = self._y - per_token * self._x
         if per_token <= 0 or fixed < 0:
             return None
-        return fixed, per_token
+        return LegCost(fixed, per_token)
 
 
 class LocalLeg:
@@ -123,9 +163,17 @@ class LocalLeg:
     outputs its placement expects of the replica's streams (`late_outputs`) are reserved
     in their `LateTokens` until then, when they have come and been counted."""
 
-    def __init__(self, pace: LegPace, new_tokens: int, late: LateTokens | None = None, late_outputs: int = 0):
+    def __init__(
+        self,
+        pace: LegPace,
+        new_tokens: int,
+        late: LateTokens | None = None,
+        late_outputs: int = 0,
+        context_tokens: int = 0,
+    ):
         self._pace = pace
         self._tokens = max(0, new_tokens)
+        self._context = max(0, context_tokens)
         self._ahead = pace.tokens_in_flight
         self._started = time.monotonic()
         self._to_first: float | None = None
@@ -145,7 +193,7 @@ class LocalLeg:
             self._to_first = -1.0
             self._computed()
         elif computed_tokens is not None:
-            self._pace.observe(computed_tokens, self._to_first, self._ahead)
+            self._pace.observe(computed_tokens, self._to_first, self._ahead, self._context)
 
     def _computed(self) -> None:
         self._pace.tokens_in_flight -= self._tokens

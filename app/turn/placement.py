@@ -9,14 +9,16 @@ logic: no clock, no I/O, no Ray or vLLM.
 
 The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
 
-* its first token: via prefill in `f + p * (P + n) + h` (prefill's fixed cost `f` and
-  seconds per token `p`, the tokens of prefill legs in flight `P`, the hand-off `h`:
-  decode's read of the blocks to its first output); via decode in `g + d * (D + n) +
-  ceil((D + n) / C) * s` (the replica's own fixed cost `g` and pace `d` computing prompts,
-  the tokens of decode-local turns in flight there `D`, its prompt budget per step `C`, and
-  one step of its streams `s` per chunk while it has any);
-* its streams: each step that computes a chunk of the prompt takes `s + d * min(D + n,
-  C)`. A step past the ITL target makes each stream's next output late, once per chunk.
+* its first token: via prefill in `f + p * (P + n) + q * n * c + h` (prefill's fixed cost
+  `f`, seconds per token `p` and per token of context `q`, the tokens of prefill legs in
+  flight `P`, the turn's history `c`, the hand-off `h`: decode's read of the blocks to its
+  first output); via decode in `g + d * (D + n) + e * n * c + ceil((D + n) / C) * s` (the
+  replica's own costs `g`, `d`, `e` computing prompts, the tokens of decode-local turns
+  in flight there `D`, its prompt budget per step `C`, and one step of its streams `s` per
+  chunk while it has any). The costs per token of context (`app.turn.pacing.LegCost`)
+  keep a first turn from being priced at the pace of turns over long histories;
+* its streams: each step that computes a chunk of the prompt takes `s + (d + e * c) *
+  min(D + n, C)`. A step past the ITL target makes each stream's next output late, once per chunk.
   The target is a quantile (p99), so a share of the outputs may be late
   (`transfer.itl_late_fraction`): the replica's recent outputs give a budget
   (`app.turn.pacing.LateTokens`), and a turn whose late outputs exceed it goes through
@@ -86,6 +88,8 @@ class PrefillLoad:
     """Seconds from a P/D turn's decode call to its first output; None: unmeasured."""
     fixed_s: float = 0.0
     """Seconds a leg takes beyond its tokens' (`app.turn.pacing.LegPace.cost`)."""
+    seconds_per_context: float = 0.0
+    """Seconds per computed token per token of history it attends over."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class DecodeLoad:
     """Seconds a decode-local turn takes to its first token beyond its tokens'."""
     late_budget: int = 0
     """Outputs of its streams that may still come past the ITL target (`LateTokens.budget`)."""
+    seconds_per_context: float = 0.0
+    """Seconds per computed token per token of history it attends over."""
 
 
 @dataclass(frozen=True)
@@ -120,23 +126,26 @@ class Placement:
     """Outputs of the streams there the turn is expected to make late, when it goes there."""
 
 
-def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits) -> Placement:
-    """The priced rule: where a turn computing `new_tokens` (past the history its decode
-    replica holds) goes. `decode`: the session's decode replica (None: it has none yet;
-    then only the short rule applies)."""
+def place(
+    new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits, context: int = 0
+) -> Placement:
+    """The priced rule: where a turn computing `new_tokens` (past the `context` tokens of
+    history its decode replica holds) goes. `decode`: the session's decode replica (None:
+    it has none yet; then only the short rule applies)."""
     if new_tokens > max(limits.short_tokens, limits.max_tokens):
         return Placement(False, Reason.TOO_LONG)
     if decode is None:
         short = new_tokens <= limits.short_tokens
         return Placement(short, Reason.SHORT if short else Reason.NO_REPLICA)
     measured = decode.seconds_per_token is not None
+    per_context = decode.seconds_per_context if measured else prefill.seconds_per_context
     pace = decode.seconds_per_token if measured else prefill.seconds_per_token
     fixed = decode.fixed_s if measured else prefill.fixed_s
     tokens = decode.tokens_in_flight + new_tokens
     chunk = min(tokens, limits.chunk_tokens) if limits.chunk_tokens > 0 else tokens
     steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
-    stream_step = step + (pace or 0.0) * chunk
+    stream_step = step + ((pace or 0.0) + per_context * context) * chunk
     late = 0
     if decode.streams > 0:
         late = decode.streams * steps if pace is not None and stream_step > limits.itl_target_s else 0
@@ -148,8 +157,10 @@ def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limi
         return Placement(False, Reason.LATER)
     handoff = prefill.handoff_s or 0.0
     queued = prefill.tokens_in_flight + new_tokens
-    on_prefill = prefill.fixed_s + prefill.seconds_per_token * queued + handoff
-    on_decode = fixed + pace * tokens + (steps * step if decode.streams > 0 else 0.0)
+    attend = prefill.seconds_per_context * new_tokens * context
+    on_prefill = prefill.fixed_s + prefill.seconds_per_token * queued + attend + handoff
+    on_decode = fixed + pace * tokens + per_context * new_tokens * context
+    on_decode += steps * step if decode.streams > 0 else 0.0
     if not measured:
         on_decode += handoff  # an unmeasured replica: only prefill's queue is a saving
     sooner = on_decode < on_prefill
@@ -158,13 +169,14 @@ def place(new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limi
 
 
 def place_static(
-    new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits
+    new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits, context: int = 0
 ) -> Placement:
     """The static rule (`transfer.placement: static`), from the turn's own first token
     only: decode when it computes at most `short_tokens`; while prefill has legs in
     flight, also when it computes at most `max_tokens` and the prefill legs ahead plus
     its own tokens take longer at prefill's pace than the replica's decode-local turns
-    plus its own at the replica's (prefill's until measured). Streams are not priced."""
+    plus its own at the replica's (prefill's until measured). Streams and the history's
+    length (`context`) are not priced."""
     if new_tokens <= limits.short_tokens:
         return Placement(True, Reason.SHORT)
     if new_tokens > limits.max_tokens:

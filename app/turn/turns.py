@@ -109,7 +109,13 @@ class Turns:
                 new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
                 late = self.streams.of(request.preferred_replica).late
                 expected = placement.late_outputs if placement is not None else 0
-                leg = LocalLeg(self._local_pace(request.preferred_replica), new_tokens, late, expected)
+                leg = LocalLeg(
+                    self._local_pace(request.preferred_replica),
+                    new_tokens,
+                    late,
+                    expected,
+                    len(prompt_ids) - new_tokens,
+                )
             async for delta in self._decode(request, answer, leg, started, timings):
                 yield delta
             final = answer.final
@@ -268,21 +274,29 @@ class Turns:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None, replica
-        fixed, per_token = self.pace.cost()
-        prefill = PrefillLoad(per_token, self.pace.tokens_in_flight, self.streams.handoff.value, fixed)
+        cost = self.pace.cost()
+        prefill = PrefillLoad(
+            cost.per_token,
+            self.pace.tokens_in_flight,
+            self.streams.handoff.value,
+            cost.fixed,
+            cost.per_context,
+        )
         decode = None
         if replica:
             local, streams = self._local_pace(replica), self.streams.of(replica)
-            fixed, per_token = local.cost()
+            cost = local.cost()
             decode = DecodeLoad(
-                per_token,
+                cost.per_token,
                 local.tokens_in_flight,
                 streams.streams,
                 streams.seconds_per_token.value,
-                fixed,
+                cost.fixed,
                 streams.late.budget,
+                cost.per_context,
             )
-        placement = self._placement(new_tokens, prefill, decode, self._limits)
+        context = len(prompt_ids) - new_tokens
+        placement = self._placement(new_tokens, prefill, decode, self._limits, context)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
         return placement, replica
 

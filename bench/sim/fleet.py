@@ -295,7 +295,7 @@ class Fleet:
                 # A new session is priced on the least-loaded replica (`Turns._placement_of`;
                 # the static rule, as the CPU fleet study ran it, priced it on none).
                 priced_on = self.placement.least_loaded([e.name for e in self.decode])
-            reason = self.placement.place(new, priced_on)
+            reason = self.placement.place(new, priced_on, prompt - new)
             if reason is not None and replica is None:
                 self._affinity[session] = next(e for e in self.decode if e.name == priced_on)
         if reason is not None:
@@ -330,7 +330,7 @@ class Fleet:
         self, target: Engine, prompt: int, new: int, answer: int, record: TurnResult, reason: str
     ) -> Generator[Any, Any, Job]:
         hw = self.spec.hw
-        first = self.placement.local_leg(target.name, new)
+        first = self.placement.local_leg(target.name, new, prompt - new)
         yield self.env.timeout(self._host_s(hw.hop_s))
         job = target.submit(Job(new, prompt - new, answer))
         record.computed_tokens, record.route = new, f"local:{reason}"
@@ -344,7 +344,7 @@ class Fleet:
         """Hop to the least loaded prefill engine, pull `history` (if any), compute the rest."""
         hw = self.spec.hw
         new = prompt - history
-        end = self.placement.prefill_leg(new)
+        end = self.placement.prefill_leg(new, history)
         engine = self._least_loaded(self.prefill)
         yield self.env.timeout(self._host_s(hw.hop_s))
         if history:

@@ -73,47 +73,54 @@ class PlacementState:
         tokens in flight (at random among equals, seeded)."""
         return pacing.least_loaded(replicas, self.streams, self.local, self._rng.choice)
 
-    def place(self, new_tokens: int, replica: str | None) -> str | None:
+    def place(self, new_tokens: int, replica: str | None, context: int = 0) -> str | None:
         """Why the turn skips prefill, or None: the app's decision (the one seam), from
-        the loads as `Turns._placement_of` reads them."""
+        the loads as `Turns._placement_of` reads them (`context`: the history its decode
+        replica holds)."""
         t = self.transfer
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
-        fixed, per_token = self.prefill.cost()
-        prefill = placement.PrefillLoad(per_token, self.prefill.tokens_in_flight, self.handoff.value, fixed)
+        cost = self.prefill.cost()
+        prefill = placement.PrefillLoad(
+            cost.per_token, self.prefill.tokens_in_flight, self.handoff.value, cost.fixed, cost.per_context
+        )
         decode = None
         if replica is not None:
             local, streams = self.local_pace(replica), self.streams.of(replica)
-            fixed, per_token = local.cost()
+            cost = local.cost()
             decode = placement.DecodeLoad(
-                per_token,
+                cost.per_token,
                 local.tokens_in_flight,
                 streams.streams,
                 streams.seconds_per_token.value,
-                fixed,
+                cost.fixed,
                 streams.late.budget,
+                cost.per_context,
             )
         policy = placement.place if t.placement == "priced" else placement.place_static
-        decided = policy(new_tokens, prefill, decode, limits)
+        decided = policy(new_tokens, prefill, decode, limits, context)
         return str(decided.reason) if decided.local else None
 
-    def prefill_leg(self, new_tokens: int) -> Callable[[int], None]:
-        """A prefill leg starts (`app.turn.legs.Legs._paced_prefill`); call what it returns
-        with the tokens computed when the leg ends."""
+    def prefill_leg(self, new_tokens: int, context: int = 0) -> Callable[[int], None]:
+        """A prefill leg over `context` cached tokens starts (`app.turn.legs.Legs._paced_prefill`);
+        call what it returns with the tokens computed when the leg ends."""
         pace, started = self.prefill, self._clock()
         ahead = pace.tokens_in_flight
         pace.tokens_in_flight += new_tokens
 
         def end(computed: int) -> None:
             pace.tokens_in_flight -= new_tokens
-            pace.observe(computed, self._clock() - started, ahead)
+            pace.observe(computed, self._clock() - started, ahead, context)
 
         return end
 
-    def local_leg(self, replica: str, new_tokens: int) -> Callable[[], Callable[[int], None]]:
-        """A turn its decode replica computes alone (`app.turn.pacing.LocalLeg`): call what it
-        returns at the first token, then what that returns with the tokens computed."""
+    def local_leg(
+        self, replica: str, new_tokens: int, context: int = 0
+    ) -> Callable[[], Callable[[int], None]]:
+        """A turn its decode replica computes alone over `context` cached tokens
+        (`app.turn.pacing.LocalLeg`): call what it returns at the first token, then what
+        that returns with the tokens computed."""
         pace, started = self.local_pace(replica), self._clock()
         tokens, ahead = max(0, new_tokens), pace.tokens_in_flight
         pace.tokens_in_flight += tokens
@@ -121,7 +128,7 @@ class PlacementState:
         def first() -> Callable[[int], None]:
             to_first = self._clock() - started
             pace.tokens_in_flight -= tokens
-            return lambda computed: pace.observe(computed, to_first, ahead)
+            return lambda computed: pace.observe(computed, to_first, ahead, context)
 
         return first
 
