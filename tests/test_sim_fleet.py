@@ -277,3 +277,29 @@ def test_shared_cores_stretch_the_engines_and_the_host():
     shared = shared_fleet.run(trace).turns[0]
     assert shared_fleet.decode[0].stats.busy_s == pytest.approx(2 * alone_fleet.decode[0].stats.busy_s)
     assert 2 * alone.ttft_s < shared.ttft_s < 4 * alone.ttft_s
+
+
+def test_the_validation_report_counts_the_band_and_the_runs_range():
+    from bench.sim.validate import _row, format_report
+
+    inside = _row("dp", "TTFT p50 0-2k at 8 agents (s)", 0.100, 0.110, 0.2)
+    outside = _row("dp", "TTFT p50 2-4k at 8 agents (s)", 0.100, 0.130, 0.2)
+    outside["runs"] = (0.100, 0.120)  # within +-20% of the runs' range: 0.130 <= 0.144
+    far = _row("oneway", "TTFT p50 0-2k at 8 agents (s)", 0.100, 0.200, 0.2)
+    far["runs"] = (0.090, 0.150)  # 0.200 > 0.180
+    gpu = dict.fromkeys(
+        ("mfu", "oneway_s", "pull_s", "default_s", "oneway_later_s", "pull_later_s", "default_later_s"), 0.5
+    )
+    gpu.update(
+        alone_oneway_s=0.7,
+        alone_pull_s=0.2,
+        ratio=2.0,
+        published_ratio=1.69,
+        within=False,
+        read_latency_to_match_s=0.18,
+        read_bandwidth_to_match=2.5e9,
+    )
+    report = format_report([inside, outside, far], gpu)
+    assert "1 of 3 figures within the band." in report
+    assert "1 of the 2 TTFT figures measured in two or three runs within +-20% of their range" in report
+    assert "| 0.100-0.120 |" in report and "each GPU would read at 2.5 GB/s" in report
