@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from app.engines.wire import EngineChunk, EngineRequest
+from app.turn.placement import DecodeLoad, PrefillLoad
 from connector.handle import KVHandle, Location, WireError
 
 if TYPE_CHECKING:
@@ -335,6 +336,29 @@ def _reads_from_prefill(request: EngineRequest) -> bool:
         return KVHandle.from_wire(request.kv_params).location is Location.PREFILL
     except WireError:
         return False
+
+
+def loads(
+    prefill: LegPace, handoff: Ewma, local: LegPace | None, streams: ReplicaStreams | None
+) -> tuple[PrefillLoad, DecodeLoad | None]:
+    """What placement reads (`app.turn.placement.place`): the prefill pool's costs, its
+    tokens in flight and the hand-off; a decode replica's costs for the turns it computes
+    alone, its tokens in flight, its streams, their step and late budget (None: no replica)."""
+    cost = prefill.cost()
+    pool = PrefillLoad(cost.per_token, prefill.tokens_in_flight, handoff.value, cost.fixed, cost.per_context)
+    if local is None or streams is None:
+        return pool, None
+    cost = local.cost()
+    replica = DecodeLoad(
+        cost.per_token,
+        local.tokens_in_flight,
+        streams.streams,
+        streams.seconds_per_token.value,
+        cost.fixed,
+        streams.late.budget,
+        cost.per_context,
+    )
+    return pool, replica
 
 
 def least_loaded(

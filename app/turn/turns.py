@@ -39,8 +39,8 @@ from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
-from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded
-from app.turn.placement import DecodeLoad, Limits, Placement, PrefillLoad, Reason, place, place_static
+from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded, loads
+from app.turn.placement import Limits, Placement, Reason, place, place_static
 from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
 from connector.handle import KVHandle, WireError, local_decode_params
@@ -274,27 +274,8 @@ class Turns:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None, replica
-        cost = self.pace.cost()
-        prefill = PrefillLoad(
-            cost.per_token,
-            self.pace.tokens_in_flight,
-            self.streams.handoff.value,
-            cost.fixed,
-            cost.per_context,
-        )
-        decode = None
-        if replica:
-            local, streams = self._local_pace(replica), self.streams.of(replica)
-            cost = local.cost()
-            decode = DecodeLoad(
-                cost.per_token,
-                local.tokens_in_flight,
-                streams.streams,
-                streams.seconds_per_token.value,
-                cost.fixed,
-                streams.late.budget,
-                cost.per_context,
-            )
+        local, streams = (self._local_pace(replica), self.streams.of(replica)) if replica else (None, None)
+        prefill, decode = loads(self.pace, self.streams.handoff, local, streams)
         context = len(prompt_ids) - new_tokens
         placement = self._placement(new_tokens, prefill, decode, self._limits, context)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1

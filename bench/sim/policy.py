@@ -81,23 +81,8 @@ class PlacementState:
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
-        cost = self.prefill.cost()
-        prefill = placement.PrefillLoad(
-            cost.per_token, self.prefill.tokens_in_flight, self.handoff.value, cost.fixed, cost.per_context
-        )
-        decode = None
-        if replica is not None:
-            local, streams = self.local_pace(replica), self.streams.of(replica)
-            cost = local.cost()
-            decode = placement.DecodeLoad(
-                cost.per_token,
-                local.tokens_in_flight,
-                streams.streams,
-                streams.seconds_per_token.value,
-                cost.fixed,
-                streams.late.budget,
-                cost.per_context,
-            )
+        local, streams = (self.local_pace(replica), self.streams.of(replica)) if replica else (None, None)
+        prefill, decode = pacing.loads(self.prefill, self.handoff, local, streams)
         policy = placement.place if t.placement == "priced" else placement.place_static
         decided = policy(new_tokens, prefill, decode, limits, context)
         return str(decided.reason) if decided.local else None
