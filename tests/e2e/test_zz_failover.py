@@ -279,6 +279,9 @@ def test_decode_replica_killed_mid_response_stream_the_response_goes_on(apps):
         "instructions": SYSTEM,
         "input": "Keep the response going when a replica dies. " * 2,
         "max_output_tokens": 600,
+        # The greedy answer would end after ~35 tokens, before the kill lands on a loaded
+        # machine: the whole 600 keep the stream going while the replica dies.
+        "ignore_eos": True,
         "temperature": 0,
     }
     body = {**plain, "stream": True}
@@ -286,10 +289,12 @@ def test_decode_replica_killed_mid_response_stream_the_response_goes_on(apps):
         url, "/v1/responses", body, {**plain, "max_output_tokens": 8}, "midresponse", _has_text
     )
     text = "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
-    done = next(e for e in events if e.get("type") == "response.completed")["response"]
+    # The answer runs to its limit: the response ends incomplete (max_output_tokens).
+    done = next(e for e in events if e.get("type") == "response.incomplete")["response"]
     ref = _reference(url, "/v1/responses", plain)
     assert text == ref["output"][0]["content"][0]["text"] == done["output"][0]["content"][0]["text"]
-    assert done["usage"]["output_tokens"] == ref["usage"]["output_tokens"]
+    assert done["usage"]["output_tokens"] == ref["usage"]["output_tokens"] == 600
+    assert done["incomplete_details"] == ref["incomplete_details"] == {"reason": "max_output_tokens"}
     assert grew.get("decode_continued") == 1, grew
     assert grew.get(f"decode_continued_from/resumed/{victim}") == 1, grew
 
