@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -195,34 +196,48 @@ def gpu_turn2_ttft(mode: str, mfu: float, placement: str = "priced") -> float:
     return next(t.ttft_s for t in run.turns if t.turn == 2)
 
 
-def fit_mfu(target_s: float = PUBLISHED_ONEWAY_S) -> float:
-    """The MFU at which the simulated benchmark's one-way mean TTFT is `target_s` (bisection)."""
-    low, high = 0.05, 1.0
-    for _ in range(20):
-        mid = (low + high) / 2
-        if gpu_mean_ttft("oneway", mid)[0] > target_s:
+def _crossing(
+    too_low: Callable[[float], bool], low: float, high: float, steps: int, log: bool = False
+) -> float:
+    """The value in [`low`, `high`] where `too_low` turns false (bisection, `steps` halvings;
+    `log`: on a log scale)."""
+
+    def middle(a: float, b: float) -> float:
+        return (a * b) ** 0.5 if log else (a + b) / 2
+
+    for _ in range(steps):
+        mid = middle(low, high)
+        if too_low(mid):
             low = mid
         else:
             high = mid
-    return (low + high) / 2
+    return middle(low, high)
+
+
+def fit_mfu(target_s: float = PUBLISHED_ONEWAY_S) -> float:
+    """The MFU at which the simulated benchmark's one-way mean TTFT is `target_s` (bisection)."""
+    return _crossing(lambda mfu: gpu_mean_ttft("oneway", mfu)[0] > target_s, 0.05, 1.0, 20)
+
+
+def _pull_ratio(
+    mfu: float,
+    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
+) -> float:
+    """The simulated benchmark's one-way / pull ratio of mean TTFTs over this link."""
+    oneway, pulled = (
+        gpu_mean_ttft(
+            mode, mfu, nixl_latency_s=nixl_latency_s, efa_bytes_per_s_per_gpu=efa_bytes_per_s_per_gpu
+        )[0]
+        for mode in ("oneway", "bidir-pd")
+    )
+    return oneway / pulled
 
 
 def read_latency_to_match(mfu: float, ratio: float) -> float:
     """The fixed cost of one NIXL read at which the simulated one-way / pull ratio of the
     benchmark's means is `ratio` (MFU held; bisection)."""
-
-    def ratio_at(latency: float) -> float:
-        oneway = gpu_mean_ttft("oneway", mfu, nixl_latency_s=latency)[0]
-        return oneway / gpu_mean_ttft("bidir-pd", mfu, nixl_latency_s=latency)[0]
-
-    low, high = 0.0, 2.0
-    for _ in range(16):
-        mid = (low + high) / 2
-        if ratio_at(mid) > ratio:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
+    return _crossing(lambda latency: _pull_ratio(mfu, nixl_latency_s=latency) > ratio, 0.0, 2.0, 16)
 
 
 def read_bandwidth_to_match(mfu: float, ratio: float) -> float:
@@ -231,19 +246,13 @@ def read_bandwidth_to_match(mfu: float, ratio: float) -> float:
     scale). At TP8 each GPU holds one of Qwen3-32B's 8 KV heads, so a read moves one
     block of one head per layer per descriptor (a few KiB): a link's rate of messages, not
     its line rate, may bound it."""
-
-    def ratio_at(bandwidth: float) -> float:
-        oneway = gpu_mean_ttft("oneway", mfu, efa_bytes_per_s_per_gpu=bandwidth)[0]
-        return oneway / gpu_mean_ttft("bidir-pd", mfu, efa_bytes_per_s_per_gpu=bandwidth)[0]
-
-    low, high = 1e8, EFA_BYTES_PER_S_PER_GPU
-    for _ in range(16):
-        mid = (low * high) ** 0.5
-        if ratio_at(mid) > ratio:
-            high = mid
-        else:
-            low = mid
-    return (low * high) ** 0.5
+    return _crossing(
+        lambda bandwidth: _pull_ratio(mfu, efa_bytes_per_s_per_gpu=bandwidth) <= ratio,
+        1e8,
+        EFA_BYTES_PER_S_PER_GPU,
+        16,
+        log=True,
+    )
 
 
 def gpu_case() -> dict[str, Any]:
