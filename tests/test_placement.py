@@ -217,7 +217,7 @@ def test_legs_over_histories_give_a_cost_per_token_of_context():
     assert cost.fixed == pytest.approx(0.005, rel=0.05)
     assert cost.per_token == pytest.approx(75e-6, rel=0.05)
     assert cost.per_context == pytest.approx(48e-9, rel=0.05)
-    assert cost.per_token_at(5000) == pytest.approx(75e-6 + 5000 * 48e-9, rel=0.05)
+    assert cost.per_token + 5000 * cost.per_context == pytest.approx(75e-6 + 5000 * 48e-9, rel=0.05)
     # The line through tokens alone would price a first turn at the long histories' pace.
     line_only = LegPace()
     for _ in range(2):

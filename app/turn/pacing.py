@@ -38,10 +38,6 @@ class LegCost(NamedTuple):
     per_token: float | None
     per_context: float = 0.0
 
-    def per_token_at(self, context: int) -> float | None:
-        """Seconds per new token over `context` cached tokens (None: unmeasured)."""
-        return None if self.per_token is None else self.per_token + self.per_context * max(0, context)
-
 
 class LegPace:
     """How long legs take on one pool of engines, to give a leg that pulls history a
