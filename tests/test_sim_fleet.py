@@ -220,6 +220,68 @@ def test_weighted_quantile_and_level_figures():
     assert sum(figures["routes"].values()) == len(run.turns)
 
 
+def test_a_level_runs_its_sessions_as_many_at_once_as_it_has_agents():
+    """`--level-sessions`: three sessions per agent, at most `agents` of them at once (the
+    benchmark's client concurrency); each later one starts as one ends."""
+    trace = level_trace(SHAPE, 2, sessions_per_agent=3)
+    assert len(trace.sessions) == 6
+    fleet = Fleet(FleetSpec("bidir", cpu_fleet()))
+    run = fleet.run(trace, concurrency=2)
+    assert len(run.turns) == sum(len(s.turns) for s in trace.sessions)
+    spans = []
+    for s in trace.sessions:
+        mine = [t for t in run.turns if t.session == s.session_id]
+        spans.append((min(t.start_s for t in mine), max(t.end_s for t in mine)))
+    starts = sorted(a for a, _ in spans)
+    assert all(sum(1 for a, b in spans if a <= start < b) <= 2 for start in starts)
+    # A session that arrived while two ran started when one of them ended.
+    late = [(a, s) for (a, _), s in zip(spans, trace.sessions, strict=True) if a > s.start_s + 1e-9]
+    assert late and all(any(abs(a - end) < 1e-9 for _, end in spans) for a, _ in late)
+    uncapped = Fleet(FleetSpec("bidir", cpu_fleet())).run(trace)
+    assert max(t.start_s for t in uncapped.turns if t.turn == 1) < max(starts)
+
+
+def test_the_study_compares_the_default_with_dp_where_both_meet(capsys):
+    from bench.fleet import SLO
+    from bench.sim.study import buckets, default_over_dp, format_compare
+
+    _, run = _run("bidir", SHAPE.generate())
+    groups = buckets(run)
+    assert sum(g["turns"] for name, g in groups.items() if name != "long_tool") == len(run.turns)
+    assert all(g["ttft_p90_s"] >= g["ttft_p50_s"] for g in groups.values() if g["turns"])
+
+    def level(agents, meets, p50):
+        return {
+            "agents": agents,
+            "meets_slo": meets,
+            "buckets": {
+                "0-2k": {"ttft_p50_s": p50, "ttft_p90_s": 2 * p50},
+                "8-16k": {"ttft_p50_s": None, "ttft_p90_s": None},
+            },
+        }
+
+    result = {
+        "dp": {"levels": [level(4, True, 0.1), level(8, False, 0.2)]},
+        "bidir": {"levels": [level(4, True, 0.12), level(8, True, 0.3)]},
+    }
+    assert default_over_dp(result) == [
+        {"agents": 4, "0-2k p50": 1.2, "0-2k p90": 1.2, "8-16k p50": None, "8-16k p90": None}
+    ]
+    shape = replace(SHAPE, sessions=2, turns_median=2, turns_max=2)
+    from bench.sim.study import compare
+
+    compared = compare(cpu_fleet(), shape)
+    assert set(compared) == {"dp", "bidir", "bidir-pd"}
+    text = format_compare(compared)
+    assert "goodput" in text and "| dp | 4 |" in text
+    assert all(
+        lv["meets_slo"]
+        == (lv["ttft_p90_s"] <= SLO().ttft_p90_s and (lv["itl_p99_s"] or 0) <= SLO().itl_p99_s)
+        for run in compared.values()
+        for lv in run["levels"]
+    )
+
+
 def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):
     from bench.sim.__main__ import main
     from bench.traces import write_trace

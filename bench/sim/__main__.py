@@ -3,6 +3,7 @@
 python -m bench.sim --validate          # simulated vs measured (CPU fleet study, Qwen3-32B case)
 python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
 python -m bench.sim --params            # every parameter with its source
+python -m bench.sim --study --level-sessions 3 [--cores 0]   # the fleet study's dp, default, bidir-pd
 python -m bench.sim --trace FILE.jsonl --mode bidir --hardware h200 --decode 2   # one trace
 """
 
@@ -25,6 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project", action="store_true", help="GPU projections, markdown table and plot")
     p.add_argument("--params", action="store_true", help="every parameter and its source")
     p.add_argument("--sensitivity", action="store_true", help="which figure each GPU parameter moves most")
+    p.add_argument(
+        "--study", action="store_true", help="the CPU fleet study's dp, default and bidir-pd, each ramped"
+    )
+    p.add_argument("--level-sessions", type=int, default=1, help="--study: sessions per agent, as bench's")
+    p.add_argument(
+        "--cores",
+        type=float,
+        help="--study: cores the engines share with the serving processes (default: the VM's 2; 0: none)",
+    )
     p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
     p.add_argument("--mode", default="bidir", choices=MODES)
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
@@ -75,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         sens = project.sensitivity()
         print(project.format_sensitivity(sens))
         out["sensitivity"] = {"cpu": cpu_rows, "gpu": sens}
+    if args.study:
+        from dataclasses import replace
+
+        from bench.profiles import profile
+        from bench.sim import study
+
+        assert (study_shape := profile("fleet").trace) is not None
+        hw = cpu_fleet() if args.cores is None else replace(cpu_fleet(), cores=args.cores)
+        compared = study.compare(hw, study_shape, args.level_sessions)
+        print(study.format_compare(compared))
+        out["study"] = {"cores": hw.cores, "sessions_per_agent": args.level_sessions, "modes": compared}
     if args.trace:
         hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
         fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))

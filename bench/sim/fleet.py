@@ -152,16 +152,21 @@ class Fleet:
 
     # -- driving -------------------------------------------------------------------------
 
-    def run(self, trace: Trace, ttft_bound: tuple[float, float] | None = None) -> RunResult:
+    def run(
+        self, trace: Trace, ttft_bound: tuple[float, float] | None = None, concurrency: int = 0
+    ) -> RunResult:
         """Every session of `trace`, from now; returns when the last answer ended.
 
         `ttft_bound` (seconds, quantile): stop as soon as more turns took longer than
-        the bound than the quantile allows (the level has missed; `aborted`)."""
+        the bound than the quantile allows (the level has missed; `aborted`).
+        `concurrency`: at most this many sessions at once, a later one starting (at its
+        arrival or after) as one ends, as the benchmark's client runs them (0: no cap)."""
         bound = None
         if ttft_bound is not None:
             total = sum(len(s.turns) for s in trace.sessions)
             bound = (ttft_bound[0], total - math.ceil(ttft_bound[1] * total))
-        return self._measured(lambda: [self._session(s, self.env.now) for s in trace.sessions], bound)
+        slots = simpy.Resource(self.env, capacity=concurrency) if concurrency > 0 else None
+        return self._measured(lambda: [self._session(s, self.env.now, slots) for s in trace.sessions], bound)
 
     def run_clients(self, trace: Trace, clients: int, active: int) -> RunResult:
         """`trace`'s sessions as vLLM's multi-turn benchmark sends them (`--num-clients`,
@@ -205,8 +210,16 @@ class Fleet:
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
         return result
 
-    def _session(self, s: TraceSession, offset: float) -> TurnProcess:
+    def _session(self, s: TraceSession, offset: float, slots: simpy.Resource | None = None) -> TurnProcess:
         yield self.env.timeout(max(0.0, offset + s.start_s - self.env.now))
+        if slots is None:
+            yield from self._turns(s)
+            return
+        with slots.request() as slot:
+            yield slot
+            yield from self._turns(s)
+
+    def _turns(self, s: TraceSession) -> TurnProcess:
         history = s.system_tokens
         for i, turn in enumerate(s.turns):
             if i and turn.pause_s:

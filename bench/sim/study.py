@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.fleet import ARRIVAL_WINDOW_S, BUCKETS, LEVELS, LONG_TOOL_TOKENS, SLO, goodput
 from bench.sim.fleet import Fleet, FleetSpec, RunResult
+from bench.sim.params import Hardware
 from bench.stats import nearest_rank
 from bench.traces import Trace, TraceShape
 
@@ -66,15 +67,22 @@ def level_figures(
 def buckets(
     run: RunResult, edges: tuple[tuple[int, int], ...] = BUCKETS, long_tool: int = LONG_TOOL_TOKENS
 ) -> dict[str, Any]:
-    """TTFT p50 per history bucket and for turns with long tool results (`bench.fleet.buckets`)."""
+    """TTFT p50 and p90 per history bucket and for turns with long tool results (`bench.fleet.buckets`)."""
     out: dict[str, Any] = {}
     for low, high in edges:
         group = [t.ttft_s for t in run.turns if low <= t.prompt_tokens < high]
         name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
-        out[name] = {"turns": len(group), "ttft_p50_s": nearest_rank(group, 0.5)}
-    long = [t.ttft_s for t in run.turns if t.kind == "tool" and t.tokens >= long_tool]
-    out["long_tool"] = {"turns": len(long), "ttft_p50_s": nearest_rank(long, 0.5)}
+        out[name] = _ttfts(group)
+    out["long_tool"] = _ttfts([t.ttft_s for t in run.turns if t.kind == "tool" and t.tokens >= long_tool])
     return out
+
+
+def _ttfts(group: list[float]) -> dict[str, Any]:
+    return {
+        "turns": len(group),
+        "ttft_p50_s": nearest_rank(group, 0.5),
+        "ttft_p90_s": nearest_rank(group, 0.9),
+    }
 
 
 def _routes(run: RunResult) -> dict[str, int]:
@@ -89,11 +97,13 @@ def warmup_trace(shape: TraceShape) -> Trace:
     return replace(shape, sessions=1, turns_median=3, turns_max=3).generate().renamed("warmup/")
 
 
-def level_trace(shape: TraceShape, agents: int) -> Trace:
-    """A level's agents arriving within `ARRIVAL_WINDOW_S` (`bench.fleet.run_mode`), with
-    session ids of their own: like the benchmark's levels, they find nothing of another
-    level's (or the warm-up's) in the caches or the store."""
-    trace = replace(shape, sessions=agents, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S).generate()
+def level_trace(shape: TraceShape, agents: int, sessions_per_agent: int = 1) -> Trace:
+    """A level's sessions (`sessions_per_agent` per agent) arriving at `agents` per
+    `ARRIVAL_WINDOW_S` (`bench.fleet.run_mode`), with session ids of their own: like the
+    benchmark's levels, they find nothing of another level's (or the warm-up's) in the
+    caches or the store. Run them `agents` at a time, as the benchmark does."""
+    sessions = agents * sessions_per_agent
+    trace = replace(shape, sessions=sessions, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S).generate()
     return trace.renamed(f"level{agents}/")
 
 
@@ -103,6 +113,7 @@ def run_mode(
     levels: tuple[int, ...] = LEVELS["fleet"],
     slo: SLO | None = None,
     ramp: bool = True,
+    sessions_per_agent: int = 1,
 ) -> dict[str, Any]:
     """One mode through the levels on one fleet (after a warm-up), stopping after the
     first level that misses the target when `ramp` (as the benchmark does)."""
@@ -111,8 +122,70 @@ def run_mode(
     fleet.run(warmup_trace(shape))
     out = []
     for agents in levels:
-        figures = {"agents": agents, **level_figures(fleet.run(level_trace(shape, agents)), slo)}
+        run = fleet.run(level_trace(shape, agents, sessions_per_agent), concurrency=agents)
+        figures = {"agents": agents, **level_figures(run, slo)}
         out.append(figures)
         if ramp and not figures["meets_slo"]:
             break
     return {"mode": spec.mode, "levels": out, "goodput": goodput(out)}
+
+
+STUDY_MODES = ("dp", "bidir", "bidir-pd")
+"""`python -m bench.sim --study`: the modes of the measured runs it is read beside."""
+
+
+def compare(hw: Hardware, shape: TraceShape, sessions_per_agent: int = 1) -> dict[str, Any]:
+    """The fleet study's `--modes dp,bidir,bidir-pd` on `hw`, simulated: dp on two engines,
+    the app's default placement (`bidir`) and every turn through prefill (`bidir-pd`) on
+    one prefill and one decode engine, each ramped until a level misses the target."""
+    return {
+        mode: run_mode(
+            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1), shape, sessions_per_agent=sessions_per_agent
+        )
+        for mode in STUDY_MODES
+    }
+
+
+def default_over_dp(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """At each level both dp and the default meet the target: the default's TTFT p50 and
+    p90 over dp's, per history bucket (None where a bucket is empty)."""
+    meets = {m: {lv["agents"]: lv for lv in result[m]["levels"] if lv["meets_slo"]} for m in ("dp", "bidir")}
+    rows = []
+    for agents in sorted(set(meets["dp"]) & set(meets["bidir"])):
+        dp, default = meets["dp"][agents]["buckets"], meets["bidir"][agents]["buckets"]
+        row: dict[str, Any] = {"agents": agents}
+        for name, ours in default.items():
+            for q in ("ttft_p50_s", "ttft_p90_s"):
+                a, b = ours[q], dp[name][q]
+                row[f"{name} {q[5:8]}"] = round(a / b, 2) if a and b else None
+        rows.append(row)
+    return rows
+
+
+def format_compare(result: dict[str, Any]) -> str:
+    lines = [
+        "| mode | agents | turns/s | TTFT p90 (s) | ITL p99 (ms) | meets target | turns by route |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for mode, run in result.items():
+        for lv in run["levels"]:
+            itl = f"{lv['itl_p99_s'] * 1e3:.0f}" if lv["itl_p99_s"] is not None else "-"
+            routes = ", ".join(f"{k} {v}" for k, v in sorted(lv["routes"].items()))
+            lines.append(
+                f"| {mode} | {lv['agents']} | {lv['turns_per_s']:.2f} | {lv['ttft_p90_s']:.2f} | {itl} | "
+                f"{'yes' if lv['meets_slo'] else 'no'} | {routes} |"
+            )
+    good = {m: (r["goodput"] or {}).get("turns_per_s") for m, r in result.items()}
+    lines.append("\ngoodput (turns/s): " + ", ".join(f"{m} {g}" for m, g in good.items()))
+    rows = default_over_dp(result)
+    if rows:
+        names = [k for k in rows[0] if k != "agents" and any(row[k] is not None for row in rows)]
+        lines += [
+            "\nThe default over dp, at each level both meet:\n",
+            "| agents | " + " | ".join(names) + " |",
+        ]
+        lines.append("| ---: |" + " ---: |" * len(names))
+        for row in rows:
+            cells = ["-" if row[k] is None else f"{row[k]:.2f}" for k in names]
+            lines.append(f"| {row['agents']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
