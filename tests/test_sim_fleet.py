@@ -282,6 +282,20 @@ def test_the_study_compares_the_default_with_dp_where_both_meet(capsys):
     )
 
 
+def test_the_study_runs_from_the_command_line_with_the_profiles_kv(tmp_path, capsys):
+    import json
+
+    from bench.sim.__main__ import main
+
+    out = tmp_path / "study.json"
+    assert main(["--study", "--profile", "fleet-32k", "--cores", "0", "--out", str(out)]) == 0
+    assert "goodput (turns/s)" in capsys.readouterr().out
+    study = json.loads(out.read_text())["study"]
+    assert study["profile"] == "fleet-32k" and study["cores"] == 0
+    assert set(study["modes"]) == {"dp", "bidir", "bidir-pd"}
+    assert all(lv["agents"] in (4, 8, 16) for run in study["modes"].values() for lv in run["levels"])
+
+
 def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):
     from bench.sim.__main__ import main
     from bench.traces import write_trace

@@ -4,6 +4,7 @@ python -m bench.sim --validate          # simulated vs measured (CPU fleet study
 python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
 python -m bench.sim --params            # every parameter with its source
 python -m bench.sim --study --level-sessions 3 [--cores 0]   # the fleet study's dp, default, bidir-pd
+python -m bench.sim --study --profile fleet-32k              # the same with histories to 32k
 python -m bench.sim --trace FILE.jsonl --mode bidir --hardware h200 --decode 2   # one trace
 """
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sensitivity", action="store_true", help="which figure each GPU parameter moves most")
     p.add_argument(
         "--study", action="store_true", help="the CPU fleet study's dp, default and bidir-pd, each ramped"
+    )
+    p.add_argument(
+        "--profile", default="fleet", choices=("fleet", "fleet-32k"), help="--study: the workload, as bench's"
     )
     p.add_argument("--level-sessions", type=int, default=1, help="--study: sessions per agent, as bench's")
     p.add_argument(
@@ -88,14 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.study:
         from dataclasses import replace
 
+        from bench.fleet import LEVELS
         from bench.profiles import profile
         from bench.sim import study
 
-        assert (study_shape := profile("fleet").trace) is not None
+        prof = profile(args.profile)
+        assert prof.trace is not None
         hw = cpu_fleet() if args.cores is None else replace(cpu_fleet(), cores=args.cores)
-        compared = study.compare(hw, study_shape, args.level_sessions)
+        if prof.kv_cache_bytes:  # the fleet-32k profile gives its engines twice the fleet's KV
+            hw = replace(hw, kv_blocks=prof.kv_cache_bytes // (hw.kv_bytes_per_token * hw.block_size))
+        compared = study.compare(hw, prof.trace, args.level_sessions, LEVELS[args.profile])
         print(study.format_compare(compared))
-        out["study"] = {"cores": hw.cores, "sessions_per_agent": args.level_sessions, "modes": compared}
+        out["study"] = {
+            "profile": args.profile,
+            "cores": hw.cores,
+            "sessions_per_agent": args.level_sessions,
+            "modes": compared,
+        }
     if args.trace:
         hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
         fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))

@@ -134,13 +134,19 @@ STUDY_MODES = ("dp", "bidir", "bidir-pd")
 """`python -m bench.sim --study`: the modes of the measured runs it is read beside."""
 
 
-def compare(hw: Hardware, shape: TraceShape, sessions_per_agent: int = 1) -> dict[str, Any]:
+def compare(
+    hw: Hardware, shape: TraceShape, sessions_per_agent: int = 1, levels: tuple[int, ...] = LEVELS["fleet"]
+) -> dict[str, Any]:
     """The fleet study's `--modes dp,bidir,bidir-pd` on `hw`, simulated: dp on two engines,
     the app's default placement (`bidir`) and every turn through prefill (`bidir-pd`) on
-    one prefill and one decode engine, each ramped until a level misses the target."""
+    one prefill and one decode engine, each ramped through `levels` until one misses the
+    target."""
     return {
         mode: run_mode(
-            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1), shape, sessions_per_agent=sessions_per_agent
+            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1),
+            shape,
+            levels,
+            sessions_per_agent=sessions_per_agent,
         )
         for mode in STUDY_MODES
     }
