@@ -18,14 +18,13 @@ tables on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import RESULTS
+from bench import RESULTS, settings
 from bench.apis import Api
 from bench.profiles import DEFAULT_MODES, MODES, PROFILES, cluster_cpus
 from bench.profiles import profile as get_profile
@@ -264,15 +263,7 @@ def _profile_from(args: argparse.Namespace):
         if not sep or not key:
             raise SystemExit(f"--env expects KEY=VALUE, got {item!r}")
         env[key] = value
-    transfer = dict(prof.transfer)
-    for item in args.transfer:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--transfer expects KEY=VALUE, got {item!r}")
-        try:
-            transfer[key] = json.loads(value)
-        except json.JSONDecodeError:
-            transfer[key] = value
+    transfer = {**prof.transfer, **settings(args.transfer, "--transfer")}
     return prof.with_overrides(
         transfer=transfer,
         workload=replace(prof.workload, **spec_changes),

@@ -9,7 +9,17 @@ from dataclasses import replace
 import pytest
 import simpy
 
-from bench.sim.costs import EngineCost, Link, blocks, fit_decode, fit_prefill, gpu_cost, least_squares
+from bench.sim.costs import (
+    EngineCost,
+    Link,
+    blocks,
+    fit_decode,
+    fit_prefill,
+    gpu_cost,
+    jitter_of,
+    jittered,
+    least_squares,
+)
 from bench.sim.engine import Engine, HostCpu, Job
 
 COST = EngineCost(
@@ -252,3 +262,27 @@ def test_host_demand_follows_the_turns_begun():
     assert cpu.host_cores() == 0.0
     with pytest.raises(ValueError):
         HostCpu(env, 0.0, 0.1)
+
+
+def test_jitter_is_each_gap_over_its_streams_median_binned_by_quantile():
+    # Two streams at different paces, each with the same spread: one gap in five twice its
+    # stream's median, one in five half of it.
+    slow = [0.02, 0.02, 0.02, 0.04, 0.01] * 20
+    fast = [0.005, 0.005, 0.005, 0.01, 0.0025] * 20
+    jitter = jitter_of([slow, fast, [0.5, 0.5]])  # the third is too short to count
+    assert sum(share for _, share in jitter) == pytest.approx(1.0)
+    ratios = [ratio for ratio, _ in jitter]
+    assert ratios == sorted(ratios)
+    # The lowest quarter: the fifth at half the median and a twentieth at it.
+    assert ratios[0] == 0.6 and ratios[-1] == 2.0
+    assert sum(r * s for r, s in jitter) == pytest.approx(0.2 * 0.5 + 0.6 * 1 + 0.2 * 2, abs=0.01)
+    assert jitter_of([]) == ()
+
+
+def test_jittered_samples_keep_their_weight_and_spread_the_gap():
+    jitter = ((0.5, 0.5), (2.0, 0.5))
+    samples = [(0.01, 4), (0.03, 2)]
+    spread = jittered(samples, jitter)
+    assert sum(w for _, w in spread) == pytest.approx(6)
+    assert sorted(spread) == [(0.005, 2.0), (0.015, 1.0), (0.02, 2.0), (0.06, 1.0)]
+    assert jittered(samples, ()) == samples

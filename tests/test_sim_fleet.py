@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from app.turn.pacing import LateTokens
 from bench.sim import policy
 from bench.sim.fleet import MODES, Fleet, FleetSpec
 from bench.sim.params import cpu_fleet, gpu_qwen3_32b
@@ -294,6 +295,51 @@ def test_the_study_runs_from_the_command_line_with_the_profiles_kv(tmp_path, cap
     assert study["profile"] == "fleet-32k" and study["cores"] == 0
     assert set(study["modes"]) == {"dp", "bidir", "bidir-pd"}
     assert all(lv["agents"] in (4, 8, 16) for run in study["modes"].values() for lv in run["levels"])
+
+
+def test_the_serving_paths_jitter_reaches_the_client_and_the_late_budget():
+    """The same engines' steps, seen through the CPU VM's jitter: the ITL tail grows, the
+    outputs' total stays, and the ingress's late count (which the placement spends) sees
+    the late ones; the engines' own timing does not change."""
+    trace = SHAPE.generate()
+    longest = max(
+        g for g, _ in Fleet(FleetSpec("bidir-pd", replace(cpu_fleet(), itl_jitter=()))).run(trace).itl
+    )
+    # A target whose late mark is half as long again as the longest step: no step is late,
+    # some outputs seen through the jitter (up to 3x a step) are.
+    target = (("itl_target_ms", 1.5 * longest * 1000 / LateTokens.MARGIN),)
+    runs = {}
+    for jitter in ((), cpu_fleet().itl_jitter):
+        fleet = Fleet(FleetSpec("bidir-pd", replace(cpu_fleet(), itl_jitter=jitter), transfer=target))
+        runs[bool(jitter)] = (fleet, fleet.run(trace))
+    (plain_fleet, plain), (jit_fleet, jit) = runs[False], runs[True]
+    assert [t.ttft_s for t in jit.turns] == [t.ttft_s for t in plain.turns]
+    assert sum(w for _, w in jit.itl) == pytest.approx(sum(w for _, w in plain.itl))
+    assert weighted_quantile(jit.itl, 0.99) > weighted_quantile(plain.itl, 0.99)
+    top = max(ratio for ratio, _ in cpu_fleet().itl_jitter)
+    assert max(g for g, _ in jit.itl) == pytest.approx(top * max(g for g, _ in plain.itl))
+
+    def late(fleet):
+        return sum(fleet.placement.streams.of(e.name).late.late for e in fleet.decode)
+
+    assert late(plain_fleet) == 0
+    mark = LateTokens.MARGIN * jit_fleet.transfer.itl_target_ms / 1000
+    assert late(jit_fleet) > 0 and sum(w for g, w in jit.itl if g > mark) > 0
+
+
+def test_the_jitter_of_a_measured_run_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from bench.sim.__main__ import main
+
+    gaps = [0.01, 0.01, 0.02, 0.01, 0.005, 0.01]
+    results = {"modes": {"bidir-pd": {"records": {"4": [{"ok": True, "itl_s": gaps}] * 3}}}}
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(results))
+    assert main(["--jitter", str(path), "--out", str(tmp_path / "out.json")]) == 0
+    assert "(ratio, share)" in capsys.readouterr().out
+    jitter = json.loads((tmp_path / "out.json").read_text())["jitter"]
+    assert jitter[0][0] < 1.0 and jitter[-1][0] == 2.0  # the lowest quarter holds the halves
 
 
 def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):

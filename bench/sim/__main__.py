@@ -3,6 +3,7 @@
 python -m bench.sim --validate          # simulated vs measured (CPU fleet study, Qwen3-32B case)
 python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
 python -m bench.sim --params            # every parameter with its source
+python -m bench.sim --jitter results/fleet.json   # the serving path's ITL jitter in a study's run
 python -m bench.sim --study --level-sessions 3 [--cores 0]   # the fleet study's dp, default, bidir-pd
 python -m bench.sim --study --profile fleet-32k              # the same with histories to 32k
 python -m bench.sim --trace FILE.jsonl --mode bidir --hardware h200 --decode 2   # one trace
@@ -15,6 +16,7 @@ import json
 import sys
 import time
 
+from bench import settings
 from bench.sim.fleet import MODES, Fleet, FleetSpec
 from bench.sim.params import cpu_fleet, gpu_qwen3_32b
 from bench.sim.study import level_figures
@@ -39,6 +41,21 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="--study: cores the engines share with the serving processes (default: the VM's 2; 0: none)",
     )
+    p.add_argument(
+        "--transfer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--study, --trace: one of the app's transfer.* settings, as bench's (repeatable)",
+    )
+    p.add_argument(
+        "--jitter",
+        metavar="FILE",
+        help="the serving path's ITL jitter in a fleet study's results (bench --out), for --jitter-mode "
+        "at --jitter-agents",
+    )
+    p.add_argument("--jitter-mode", default="bidir-pd")
+    p.add_argument("--jitter-agents", default="4")
     p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
     p.add_argument("--mode", default="bidir", choices=MODES)
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
@@ -101,17 +118,29 @@ def main(argv: list[str] | None = None) -> int:
         hw = cpu_fleet() if args.cores is None else replace(cpu_fleet(), cores=args.cores)
         if prof.kv_cache_bytes:  # the fleet-32k profile gives its engines twice the fleet's KV
             hw = replace(hw, kv_blocks=prof.kv_cache_bytes // (hw.kv_bytes_per_token * hw.block_size))
-        compared = study.compare(hw, prof.trace, args.level_sessions, LEVELS[args.profile])
+        transfer = settings(args.transfer, "--transfer")
+        compared = study.compare(hw, prof.trace, args.level_sessions, LEVELS[args.profile], transfer)
         print(study.format_compare(compared))
         out["study"] = {
             "profile": args.profile,
             "cores": hw.cores,
             "sessions_per_agent": args.level_sessions,
+            "transfer": transfer,
             "modes": compared,
         }
+    if args.jitter:
+        from bench.sim.costs import jitter_of
+
+        with open(args.jitter) as f:
+            records = json.load(f)["modes"][args.jitter_mode]["records"][args.jitter_agents]
+        jitter = jitter_of([r["itl_s"] for r in records if r.get("ok")])
+        print(f"ITL jitter ({args.jitter_mode} at {args.jitter_agents} agents): (ratio, share)")
+        print(jitter)
+        out["jitter"] = jitter
     if args.trace:
         hw = cpu_fleet() if args.hardware == "cpu" else gpu_qwen3_32b(tp=2, gpu=args.hardware)
-        fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode))
+        changed = tuple(sorted(settings(args.transfer, "--transfer").items()))
+        fleet = Fleet(FleetSpec(args.mode, hw, prefill=args.prefill, decode=args.decode, transfer=changed))
         figures = level_figures(fleet.run(read_trace(args.trace)), _slo())
         print(json.dumps(figures, indent=2, default=str))
         out["trace"] = figures

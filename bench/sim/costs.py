@@ -20,6 +20,7 @@ GPU engines (derived from published FLOP and memory-bandwidth figures,
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,42 @@ class Link:
         if tokens <= 0:
             return 0.0
         return self.latency_s + tokens * kv_bytes_per_token / self.bytes_per_s
+
+
+Jitter = tuple[tuple[float, float], ...]
+"""(ratio, share) pairs: the share of outputs whose gap, as the client sees it, is that
+many times its engine's step (the serving path's own variation); the shares sum to 1."""
+
+JITTER_EDGES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 1.0)
+"""Quantile bins a `Jitter` is summarised over: finer in the tail, where a p99 lives."""
+
+
+def jitter_of(streams: Sequence[Sequence[float]], min_gaps: int = 5) -> Jitter:
+    """A `Jitter` from measured streams (each its client-side gaps between outputs): every
+    gap over its stream's median gap, summarised as the mean ratio of each `JITTER_EDGES`
+    bin. Streams of fewer than `min_gaps` gaps are left out."""
+    ratios = sorted(
+        gap / med
+        for gaps in streams
+        if len(gaps) >= min_gaps and (med := statistics.median(gaps)) > 0
+        for gap in gaps
+    )
+    if not ratios:
+        return ()
+    n = len(ratios)
+    out = []
+    for low, high in zip(JITTER_EDGES, JITTER_EDGES[1:], strict=False):
+        part = ratios[int(low * n) : max(int(low * n) + 1, int(high * n))]
+        out.append((round(sum(part) / len(part), 2), round(high - low, 4)))
+    return tuple(out)
+
+
+def jittered(samples: Sequence[tuple[float, float]], jitter: Jitter) -> list[tuple[float, float]]:
+    """Weighted gap samples (seconds, outputs) as the client sees them: each spread over
+    `jitter`'s ratios by their shares (the weights are kept in total)."""
+    if not jitter:
+        return list(samples)
+    return [(gap * ratio, count * share) for gap, count in samples for ratio, share in jitter]
 
 
 def blocks(tokens: int, block_size: int) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 import simpy
 
 from bench.sim import policy
+from bench.sim.costs import jittered
 from bench.sim.engine import Engine, HostCpu, Job
 from bench.sim.params import Hardware
 from bench.traces import Trace, TraceSession
@@ -52,6 +53,9 @@ class FleetSpec:
     """Decode engines (dp: all its engines)."""
     placement: str = "priced"
     """The app's `transfer.placement` ("static": the rule before the priced one)."""
+    transfer: tuple[tuple[str, Any], ...] = ()
+    """The app's other `transfer.*` settings changed, as bench's `--transfer` changes them
+    (bidir-pd still sends every turn through prefill)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -81,10 +85,13 @@ class RunResult:
     turns: list[TurnResult] = field(default_factory=list)
     start_s: float = 0.0
     end_s: float = 0.0
-    itl: list[tuple[float, int]] = field(default_factory=list)
+    itl: list[tuple[float, float]] = field(default_factory=list)
+    """(gap seconds, outputs) as the client sees them: each engine step spread by the jitter."""
     computed_tokens: int = 0
     peak_pinned_blocks: int = 0
     store_calls: int = 0
+    placements: dict[str, int] = field(default_factory=dict)
+    """The placement's decisions by reason (`app.turn.placement.Reason`)."""
     aborted: bool = False
     """Stopped once too many turns missed the TTFT bound for its quantile to hold."""
 
@@ -120,7 +127,7 @@ class Fleet:
         self.env = simpy.Environment()
         clock: Callable[[], float] = lambda: self.env.now  # noqa: E731
         cost = hw.engine
-        transfer: dict[str, Any] = {"placement": spec.placement}
+        transfer: dict[str, Any] = {"placement": spec.placement, **dict(spec.transfer)}
         if spec.mode == "bidir-pd":
             transfer.update(decode_local_tokens=0, decode_local_busy_tokens=0)
         self.transfer = policy.transfer_config(**transfer)
@@ -128,7 +135,7 @@ class Fleet:
         # where the app has it; the static rule ran without it).
         chunked = spec.mode != "dp" and spec.placement == "priced"
         decode_chunk = getattr(self.transfer, "decode_chunk_tokens", 0) if chunked else 0
-        self.placement = policy.PlacementState(clock, self.transfer, decode_chunk)
+        self.placement = policy.PlacementState(clock, self.transfer, decode_chunk, hw.itl_jitter)
         self.cpu = HostCpu(self.env, hw.cores, hw.host_cpu_per_turn_s) if hw.cores else None
         prefill = 0 if spec.mode == "dp" else spec.prefill
         self.prefill = [Engine(self.env, cost, f"p{i}", hw.block_size, cpu=self.cpu) for i in range(prefill)]
@@ -201,13 +208,17 @@ class Fleet:
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
         computed_from = sum(e.stats.computed_tokens for e in engines)
+        placed_from = dict(self.placement.placed)
         self._bound, self._late, self._abort = bound, 0, self.env.event()
         procs = [self.env.process(p) for p in processes()]
         self.env.run(until=simpy.AllOf(self.env, procs) | self._abort)
         result.aborted = self._abort.triggered
         result.end_s = self.env.now
-        result.itl = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
+        steps = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
+        result.itl = jittered(steps, self.spec.hw.itl_jitter)
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
+        placed = {k: v - placed_from.get(k, 0) for k, v in self.placement.placed.items()}
+        result.placements = {k: v for k, v in sorted(placed.items()) if v}
         return result
 
     def _session(self, s: TraceSession, offset: float, slots: simpy.Resource | None = None) -> TurnProcess:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.sim.costs import EngineCost, Link, fit_decode, fit_prefill, gpu_cost
+from bench.sim.costs import EngineCost, Jitter, Link, fit_decode, fit_prefill, gpu_cost
 
 GB = 1e9
 
@@ -72,6 +72,9 @@ class Hardware:
     host_cpu_per_turn_s: float = 0.0
     """CPU seconds the serving processes (ingress, proxy, engine front ends and schedulers,
     client) spend on one turn, beside the engines' model work."""
+    itl_jitter: Jitter = ()
+    """How an output's gap at the client spreads around its engine's step (`costs.Jitter`);
+    the ingress sees the same. Empty: not at all (GPU: no figure)."""
 
 
 # -- the CPU fleet study's VM ------------------------------------------------------------
@@ -149,6 +152,24 @@ def decode_points() -> tuple[tuple[int, int, float], ...]:
     return CPU_DECODE_GRID + batches
 
 
+CPU_ITL_JITTER: Jitter = (
+    (0.61, 0.25),
+    (0.91, 0.25),
+    (1.08, 0.25),
+    (1.31, 0.15),
+    (1.58, 0.05),
+    (1.86, 0.03),
+    (2.18, 0.01),
+    (2.4, 0.005),
+    (2.69, 0.003),
+    (3.0, 0.002),
+)
+"""The serving path's jitter on this VM (`costs.jitter_of`, printed by `python -m bench.sim
+--jitter FILE`): the client's gaps in the fleet study of 2026-12-06 (`python -m bench
+--profile fleet --modes dp,bidir,bidir-pd --level-sessions 3`, not the validated run),
+bidir-pd at 4 agents, where decode engines compute no prompt: 3,668 gaps over their
+stream's median, p90 1.5x, p99 2.3x. Two other runs (one of them at 8 agents) gave the
+same bins within 0.1x up to p95 and 0.2x at p99."""
 CPU_LEG_S = 0.010
 """An engine leg's time to its first output beyond the grid's prediction (`Hardware.leg_s`)."""
 CPU_HOST_CPU_PER_TURN_S = 0.20
@@ -250,6 +271,13 @@ def cpu_fleet() -> Hardware:
             "`decode_engine_s` and `prefill_engine_s` less the grid's prediction, medians 9-15 ms",
             "TTFT p50 of short turns",
         ),
+        Param(
+            "ITL jitter",
+            "p90 1.5x, p99 2.3x a step",
+            "the fleet study's client gaps over their stream's median (`python -m bench --profile fleet "
+            "--modes dp,bidir,bidir-pd --level-sessions 3`, 2026-12-06, bidir-pd at 4 agents)",
+            "ITL p99 at 4-8 agents",
+        ),
         Param("cores", "2", "the VM's", "ITL p99 and goodput at 16+ agents"),
         Param(
             "host CPU per turn",
@@ -276,6 +304,7 @@ def cpu_fleet() -> Hardware:
         cores=2.0,
         host_cpu_per_turn_s=CPU_HOST_CPU_PER_TURN_S,
         leg_s=CPU_LEG_S,
+        itl_jitter=CPU_ITL_JITTER,
     )
 
 

@@ -17,11 +17,13 @@ Ray nor vLLM (`import app` builds nothing until `app.graph` is asked for).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from app import config
 from app.turn import pacing, placement
+from bench.sim.costs import Jitter
 from connector.handle import KVHandle, Location
 from connector.store import Conversation, HandleStore
 
@@ -42,14 +44,21 @@ class PlacementState:
     LATE_WINDOW = 2000
     """Outputs `pacing.LateTokens` remembers (the app's default window)."""
 
-    def __init__(self, clock: Callable[[], float], transfer: Any, decode_chunk: int):
+    def __init__(self, clock: Callable[[], float], transfer: Any, decode_chunk: int, jitter: Jitter = ()):
         self._clock = clock
+        self._ratios = [ratio for ratio, _ in jitter] or [1.0]
+        self._shares = [share for _, share in jitter] or [1.0]
+        """The serving path's jitter (`Hardware.itl_jitter`): each output's gap, as the
+        ingress sees it, is its step times a ratio drawn from it (its own seeded draws)."""
+        self._jitter_rng = random.Random(1)
         self.transfer = transfer
         self.decode_chunk = decode_chunk
         self.prefill = pacing.LegPace()
         self.local: dict[str, pacing.LegPace] = {}
         self.streams = pacing.DecodeStreams(transfer.itl_target_ms / 1000, transfer.itl_late_fraction)
         self._rng = random.Random(0)
+        self.placed: Counter[str] = Counter()
+        """Every decision by its reason, as the app counts `placed_<reason>`."""
 
     @property
     def handoff(self) -> pacing.Ewma:
@@ -64,9 +73,10 @@ class PlacementState:
         """`count` streams on `replica` got an output `gap_s` after their previous one (one
         engine step), as `DecodeStreams.stream` observes each chunk."""
         streams = self.streams.of(replica)
-        for _ in range(min(count, self.LATE_WINDOW)):
-            streams.seconds_per_token.observe(gap_s)
-            streams.late.observe(gap_s)
+        outputs = min(count, self.LATE_WINDOW)
+        for ratio in self._jitter_rng.choices(self._ratios, self._shares, k=outputs):
+            streams.seconds_per_token.observe(gap_s * ratio)
+            streams.late.observe(gap_s * ratio)
 
     def least_loaded(self, replicas: list[str]) -> str | None:
         """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt
@@ -85,6 +95,7 @@ class PlacementState:
         prefill, decode = pacing.loads(self.prefill, self.handoff, local, streams)
         policy = placement.place if t.placement == "priced" else placement.place_static
         decided = policy(new_tokens, prefill, decode, limits, context)
+        self.placed[str(decided.reason)] += 1
         return str(decided.reason) if decided.local else None
 
     def prefill_leg(self, new_tokens: int, context: int = 0) -> Callable[[int], None]:

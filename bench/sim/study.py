@@ -10,7 +10,6 @@ which are these steps); TTFT is to the engine's first token plus the hops.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -21,13 +20,14 @@ from bench.stats import nearest_rank
 from bench.traces import Trace, TraceShape
 
 
-def weighted_quantile(samples: list[tuple[float, int]], q: float) -> float | None:
-    """Nearest-rank quantile of values each counted `weight` times."""
+def weighted_quantile(samples: list[tuple[float, float]], q: float) -> float | None:
+    """Nearest-rank quantile of values each counted `weight` times (weights may be
+    fractional: the smallest value whose cumulative weight reaches `q` of the total)."""
     total = sum(w for _, w in samples)
     if not total:
         return None
-    rank = max(1, math.ceil(q * total))
-    seen = 0
+    rank = q * total * (1 - 1e-12)  # float sums of fractional weights fall a hair short
+    seen = 0.0
     for value, weight in sorted(samples):
         seen += weight
         if seen >= rank:
@@ -59,6 +59,7 @@ def level_figures(
         "meets_slo": meets,
         "buckets": buckets(run, edges, long_tool),
         "routes": _routes(run),
+        "placements": run.placements,
         "peak_pinned_blocks": run.peak_pinned_blocks,
         "store_calls_per_s": round(run.store_calls / wall, 1) if wall else 0.0,
     }
@@ -135,15 +136,20 @@ STUDY_MODES = ("dp", "bidir", "bidir-pd")
 
 
 def compare(
-    hw: Hardware, shape: TraceShape, sessions_per_agent: int = 1, levels: tuple[int, ...] = LEVELS["fleet"]
+    hw: Hardware,
+    shape: TraceShape,
+    sessions_per_agent: int = 1,
+    levels: tuple[int, ...] = LEVELS["fleet"],
+    transfer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The fleet study's `--modes dp,bidir,bidir-pd` on `hw`, simulated: dp on two engines,
-    the app's default placement (`bidir`) and every turn through prefill (`bidir-pd`) on
-    one prefill and one decode engine, each ramped through `levels` until one misses the
-    target."""
+    the app's default placement (`bidir`, with `transfer` settings changed) and every turn
+    through prefill (`bidir-pd`) on one prefill and one decode engine, each ramped through
+    `levels` until one misses the target."""
+    changed = tuple(sorted((transfer or {}).items()))
     return {
         mode: run_mode(
-            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1),
+            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1, transfer=changed),
             shape,
             levels,
             sessions_per_agent=sessions_per_agent,
@@ -170,16 +176,18 @@ def default_over_dp(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_compare(result: dict[str, Any]) -> str:
     lines = [
-        "| mode | agents | turns/s | TTFT p90 (s) | ITL p99 (ms) | meets target | turns by route |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "| mode | agents | turns/s | TTFT p90 (s) | ITL p99 (ms) | meets target | turns by route "
+        "| placed by reason |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for mode, run in result.items():
         for lv in run["levels"]:
             itl = f"{lv['itl_p99_s'] * 1e3:.0f}" if lv["itl_p99_s"] is not None else "-"
             routes = ", ".join(f"{k} {v}" for k, v in sorted(lv["routes"].items()))
+            placed = ", ".join(f"{k} {v}" for k, v in lv["placements"].items()) or "-"
             lines.append(
                 f"| {mode} | {lv['agents']} | {lv['turns_per_s']:.2f} | {lv['ttft_p90_s']:.2f} | {itl} | "
-                f"{'yes' if lv['meets_slo'] else 'no'} | {routes} |"
+                f"{'yes' if lv['meets_slo'] else 'no'} | {routes} | {placed} |"
             )
     good = {m: (r["goodput"] or {}).get("turns_per_s") for m, r in result.items()}
     lines.append("\ngoodput (turns/s): " + ", ".join(f"{m} {g}" for m, g in good.items()))
