@@ -286,3 +286,18 @@ def test_jittered_samples_keep_their_weight_and_spread_the_gap():
     assert sum(w for _, w in spread) == pytest.approx(6)
     assert sorted(spread) == [(0.005, 2.0), (0.015, 1.0), (0.02, 2.0), (0.06, 1.0)]
     assert jittered(samples, ()) == samples
+
+
+def test_the_decode_fit_takes_own_history_batches_at_the_grids_level():
+    from bench.sim.params import CPU_DECODE_GRID, CPU_DECODE_OWN_GRID, decode_points
+
+    points = decode_points()
+    grid_single = {c: s for n, c, s in CPU_DECODE_GRID if n == 1}
+    own = {(n, c): s for n, c, s in CPU_DECODE_OWN_GRID}
+    added = [p for p in points if p not in CPU_DECODE_GRID]
+    assert {(n, c) for n, c, _ in added} == {k for k in own if k[0] > 1}
+    for n, c, s in added:
+        # Each batch keeps its ratio to a single sequence over the same history.
+        assert s / grid_single[c] == pytest.approx(own[(n, c)] / own[(1, c)])
+    step_s, seq_s, ctx_s = fit_decode(points)
+    assert step_s > 0 and seq_s > 0 and ctx_s > 0

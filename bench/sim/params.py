@@ -134,7 +134,7 @@ CPU_DECODE_OWN_GRID: tuple[tuple[int, int, float], ...] = (
 """The same command's decode steps on 2026-12-06 (results/prefill_cost_grid_own.json), each
 sequence over its own history, as the fleet's streams are: the batches of 4 and 8 at each
 history, and the single sequence they are compared with. That run was 8-27% faster on the
-single sequences than the grid above (the VM from one day to the next), so its batches
+single sequences than the grid above (the VM from one session to the next), so its batches
 enter the fit at the grid's level: each at its ratio to that run's single sequence
 (`decode_points`)."""
 
