@@ -208,7 +208,7 @@ class Fleet:
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
         computed_from = sum(e.stats.computed_tokens for e in engines)
-        placed_from = dict(self.placement.placed)
+        placed_from = self.placement.placed.copy()
         self._bound, self._late, self._abort = bound, 0, self.env.event()
         procs = [self.env.process(p) for p in processes()]
         self.env.run(until=simpy.AllOf(self.env, procs) | self._abort)
@@ -217,8 +217,7 @@ class Fleet:
         steps = [x for e in engines for x in e.stats.itl[itl_from[e.name] :]]
         result.itl = jittered(steps, self.spec.hw.itl_jitter)
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
-        placed = {k: v - placed_from.get(k, 0) for k, v in self.placement.placed.items()}
-        result.placements = {k: v for k, v in sorted(placed.items()) if v}
+        result.placements = dict(sorted((self.placement.placed - placed_from).items()))
         return result
 
     def _session(self, s: TraceSession, offset: float, slots: simpy.Resource | None = None) -> TurnProcess:

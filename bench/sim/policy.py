@@ -46,10 +46,11 @@ class PlacementState:
 
     def __init__(self, clock: Callable[[], float], transfer: Any, decode_chunk: int, jitter: Jitter = ()):
         self._clock = clock
-        self._ratios = [ratio for ratio, _ in jitter] or [1.0]
-        self._shares = [share for _, share in jitter] or [1.0]
+        self._ratios = [ratio for ratio, _ in jitter]
+        self._shares = [share for _, share in jitter]
         """The serving path's jitter (`Hardware.itl_jitter`): each output's gap, as the
-        ingress sees it, is its step times a ratio drawn from it (its own seeded draws)."""
+        ingress sees it, is its step times a ratio drawn from it (its own seeded draws);
+        none: the step itself."""
         self._jitter_rng = random.Random(1)
         self.transfer = transfer
         self.decode_chunk = decode_chunk
@@ -74,9 +75,13 @@ class PlacementState:
         engine step), as `DecodeStreams.stream` observes each chunk."""
         streams = self.streams.of(replica)
         outputs = min(count, self.LATE_WINDOW)
-        for ratio in self._jitter_rng.choices(self._ratios, self._shares, k=outputs):
-            streams.seconds_per_token.observe(gap_s * ratio)
-            streams.late.observe(gap_s * ratio)
+        if self._ratios:
+            gaps = [gap_s * r for r in self._jitter_rng.choices(self._ratios, self._shares, k=outputs)]
+        else:
+            gaps = [gap_s] * outputs
+        for gap in gaps:
+            streams.seconds_per_token.observe(gap)
+            streams.late.observe(gap)
 
     def least_loaded(self, replicas: list[str]) -> str | None:
         """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt

@@ -131,6 +131,12 @@ def run_mode(
     return {"mode": spec.mode, "levels": out, "goodput": goodput(out)}
 
 
+def two_engines(mode: str, hw: Hardware, **spec: Any) -> FleetSpec:
+    """The CPU fleet study's layout of `mode`: dp on two engines, the P/D modes on one
+    prefill and one decode engine."""
+    return FleetSpec(mode, hw, decode=2 if mode == "dp" else 1, **spec)
+
+
 STUDY_MODES = ("dp", "bidir", "bidir-pd")
 """`python -m bench.sim --study`: the modes of the measured runs it is read beside."""
 
@@ -149,7 +155,7 @@ def compare(
     changed = tuple(sorted((transfer or {}).items()))
     return {
         mode: run_mode(
-            FleetSpec(mode, hw, decode=2 if mode == "dp" else 1, transfer=changed),
+            two_engines(mode, hw, transfer=changed),
             shape,
             levels,
             sessions_per_agent=sessions_per_agent,

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.sim.fleet import FleetSpec
 from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, cpu_fleet, gpu_qwen3_32b
-from bench.sim.study import run_mode
+from bench.sim.study import run_mode, two_engines
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
 
 CPU_BAND = 0.20
@@ -129,7 +129,7 @@ def cpu_table(
     hw = hw or cpu_fleet()
     rows: list[dict[str, Any]] = []
     for mode, (good, agents) in MEASURED_GOODPUT.items():
-        spec = FleetSpec(mode, hw, decode=2 if mode == "dp" else 1, placement="static")
+        spec = two_engines(mode, hw, placement="static")
         run = run_mode(spec, shape, ramp=False)
         ramped: list[dict[str, Any]] = []
         for level in run["levels"]:
