@@ -161,6 +161,9 @@ def _load() -> list[tuple[float, Job]]:
     jobs = [(0.01 * i, Job(50 + 97 * i % 900, 40 * i, 1 + 13 * i % 40)) for i in range(40)]
     jobs += [(0.02 * i, Job(0, 300 + i, 7)) for i in range(10)]  # KV arrived over NIXL
     jobs += [(0.03 * i, Job(200, 100, 0)) for i in range(5)]  # prefill legs
+    # Reads from another engine: decode legs whose KV is read, prefill legs that pull history.
+    jobs += [(0.015 * i + 0.001, Job(0, 400 + i, 6, read_s=0.004 + 0.003 * i)) for i in range(8)]
+    jobs += [(0.025 * i + 0.002, Job(120, 600 + i, 0, read_s=0.01 + 0.002 * i)) for i in range(6)]
     return jobs
 
 
@@ -175,6 +178,32 @@ def test_tokens_and_blocks_are_conserved_under_load():
     # Every decoded token after a first one is one inter-token gap.
     gaps = sum(w for _, w in engine.stats.itl)
     assert gaps == sum(max(0, j.answer - 1) for _, j in jobs)
+
+
+def test_a_read_on_an_idle_engine_costs_its_time_alone():
+    engine, done = _run([(0.0, Job(64, 1000, 0, read_s=0.05))])
+    assert done[0].first_at == pytest.approx(0.05 + COST.step(0, 0, [(64, 1000)]))
+    assert engine.stats.computed_tokens == 64 and engine.idle()
+
+
+@pytest.mark.parametrize("macro", [True, False])
+def test_a_read_is_issued_and_seen_done_at_step_boundaries(macro):
+    """As vLLM's scheduler and connector: a job arriving mid-step has its read issued when
+    that step ends, and is scheduled only after the step its read completes in."""
+    first, second = COST.step(0, 0, [(512, 0)]), COST.step(0, 0, [(512, 512)])
+    pulled = Job(10, 100, 0, read_s=0.001)
+    _run([(0.0, Job(1024, 0, 0)), (first / 2, pulled)], macro=macro)
+    assert pulled.first_at == pytest.approx(first + second + COST.step(0, 0, [(10, 100)]))
+    # While the engine decodes, the read is seen at the end of the step it completes in.
+    stream, read = Job(10, 0, 50), Job(0, 300, 3, read_s=0.025)
+    _run([(0.0, stream), (0.001, read)], macro=macro)
+    prefill = COST.step(0, 0, [(10, 0)])
+    t, steps = prefill, 0
+    while t < prefill + 0.025:
+        t += COST.step(1, 10 + steps, [])  # the stream's decode steps, its context growing
+        steps += 1
+    # The read job joins the next step and gets its first token at its end.
+    assert read.first_at == pytest.approx(t + COST.step(2, 10 + steps + 300, []), rel=1e-9)
 
 
 def test_decode_stretches_keep_every_time():

@@ -10,6 +10,15 @@ and `Job.done` fires after its last. A job with `new == 0` (its KV arrived over 
 joins the next step directly. A job with `answer == 0` (a prefill leg) is done at its
 first token.
 
+A job whose KV (or part of it) lives on another engine brings its read's time
+(`Job.read_s`, NIXL priced by `costs.Link`), and the engine reads it as vLLM's scheduler
+and KV connector do: the read is issued at the first step boundary after the job
+arrives (the scheduler allocates its blocks; the worker starts the read as that step
+runs), and is seen done at the first boundary after it completes (the worker polls the
+transfers at the end of each step); the job is scheduled from there. On an idle engine
+that is the read's time alone; on a busy one a read waits for the step in progress and
+is seen only when the step it overlaps ends.
+
 Bookkeeping the tests check: every prompt token a job brings is computed exactly once
 (`computed_tokens`), every answer token decoded exactly once (`decoded_tokens`), and the
 KV blocks of running sequences return to zero when the engine is idle (`blocks_in_use`).
@@ -98,6 +107,10 @@ class Job:
     """Prompt tokens still to compute."""
     first_at: float | None = None
     tag: Any = None
+    read_s: float = 0.0
+    """Time of the read of its KV from another engine, before it can be scheduled."""
+    ready_at: float | None = None
+    """When its read completes (set when the engine issues it)."""
 
     @property
     def context(self) -> int:
@@ -152,6 +165,10 @@ class Engine:
         self.stats = EngineStats()
         self._waiting: deque[Job] = deque()
         self._joining: list[Job] = []
+        self._to_read: list[Job] = []
+        """Arrived, their read not yet issued (it is, at the next step boundary)."""
+        self._reading: list[Job] = []
+        """Their read issued; scheduled at the first step boundary after it completes."""
         self._running: dict[int, _Running] = {}
         self._finish: list[tuple[int, int]] = []  # heap of (finish step, job id)
         self._ctx = 0
@@ -176,14 +193,20 @@ class Engine:
             self.cpu.changed(self)
         job.first, job.done = self.env.event(), self.env.event()
         job.left = max(0, job.new)
-        if job.left:
-            self._waiting.append(job)
-            self.queued_tokens += job.left
+        self.queued_tokens += job.left
+        if job.read_s > 0:
+            self._to_read.append(job)
         else:
-            self._joining.append(job)
+            self._schedulable(job)
         if not self._wake.triggered:
             self._wake.succeed()
         return job
+
+    def _schedulable(self, job: Job) -> None:
+        if job.left:
+            self._waiting.append(job)
+        else:
+            self._joining.append(job)
 
     @property
     def running(self) -> int:
@@ -194,7 +217,24 @@ class Engine:
         return self._blocks
 
     def idle(self) -> bool:
-        return not (self._waiting or self._joining or self._running)
+        return not (self._waiting or self._joining or self._running or self._to_read or self._reading)
+
+    def _boundary(self) -> None:
+        """A step boundary: reads seen done are scheduled, reads arrived are issued."""
+        now = self.env.now
+        done = [job for job in self._reading if job.ready_at is not None and job.ready_at <= now]
+        for job in done:
+            self._reading.remove(job)
+            self._schedulable(job)
+        for job in self._to_read:
+            job.ready_at = now + job.read_s
+            self._reading.append(job)
+        self._to_read = []
+
+    def _next_read_s(self) -> float | None:
+        """Seconds until the earliest issued read completes (None: none is in flight)."""
+        ready = [job.ready_at for job in self._reading if job.ready_at is not None]
+        return max(0.0, min(ready) - self.env.now) if ready else None
 
     # -- the step loop ---------------------------------------------------------------------
 
@@ -205,6 +245,13 @@ class Engine:
                     self.cpu.changed(self)
                 self._wake = self.env.event()
                 yield self._wake
+                continue
+            self._boundary()
+            if not (self._waiting or self._joining or self._running):
+                # Only reads in flight: the engine polls until one is done (or a job arrives).
+                self._wake = self.env.event()
+                wait = self._next_read_s()
+                yield self._wake if wait is None else self.env.timeout(wait) | self._wake
                 continue
             if self.macro_steps and not (self._waiting or self._joining):
                 yield from self._decode_stretch()
@@ -243,6 +290,13 @@ class Engine:
             return m * a + d * (m * ctx + batch * m * (m - 1) / 2)
 
         started = self.env.now
+        read = self._next_read_s()
+        if read is not None:
+            # Up to the step in which the earliest read completes: its end sees it done.
+            m = 1
+            while m < k and elapsed(m) < read:
+                m += 1
+            k = m
         self._wake = self.env.event()
         self.in_stretch = True
         yield self.env.timeout(elapsed(k)) | self._wake

@@ -2,7 +2,8 @@
 handle store, and the agents of a trace, on one simpy clock.
 
 A turn's life, per mode (each hop a Serve call, priced `hop_s`; each NIXL read by
-`Link`; each engine leg a `bench.sim.engine.Job`):
+`Link`, issued and seen done by the reading engine's step loop; each engine leg a
+`bench.sim.engine.Job`):
 
 * `dp`: engines that prefill and decode (`single`), session affinity; the engine's
   prefix cache (LRU over what its running sequences leave free) holds the history.
@@ -333,8 +334,8 @@ class Fleet:
             holds = history if (pulled and target is replica) else 0
             yield self.env.timeout(self._host_s(hw.hop_s))
             called = self.env.now
-            yield self.env.timeout(hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token))
-            job = target.submit(Job(0, prompt, answer))
+            read = hw.link.transfer_s(prompt - holds, hw.kv_bytes_per_token)
+            job = target.submit(Job(0, prompt, answer, read_s=read))
             yield job.first
             yield self.env.timeout(self._host_s(hw.leg_s))
             self._first(record, job)
@@ -370,9 +371,8 @@ class Fleet:
         end = self.placement.prefill_leg(new, history)
         engine = self._least_loaded(self.prefill)
         yield self.env.timeout(self._host_s(hw.hop_s))
-        if history:
-            yield self.env.timeout(hw.link.transfer_s(history, hw.kv_bytes_per_token))
-        job = engine.submit(Job(new, history, 0))
+        read = hw.link.transfer_s(history, hw.kv_bytes_per_token)
+        job = engine.submit(Job(new, history, 0, read_s=read))
         yield job.done
         yield self.env.timeout(self._host_s(hw.leg_s))
         end(new)
