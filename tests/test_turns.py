@@ -27,7 +27,7 @@ from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.fleet.clients import store_settings
 from app.turn.events import Continuation
-from app.turn.legs import DECODE_ATTEMPTS, continuation_of
+from app.turn.legs import DECODE_ATTEMPTS, ENGINE_PARTS, continuation_of
 from app.turn.model import Delta, TurnInput, TurnResult
 from app.turn.pacing import LegPace
 from app.turn.turns import Turns
@@ -59,6 +59,16 @@ class FakeTokenizer:
 
 def letter_at(position: int) -> str:
     return string.ascii_lowercase[position % 26]
+
+
+ENGINE_TIMINGS = {
+    "queue_s": 0.0,
+    "first_token_s": 0.004,
+    "input_s": 0.001,
+    "compute_s": 0.002,
+    "output_s": 0.001,
+}
+"""An engine leg's timings as `app.engines.engine` reports them."""
 
 
 class FakeEngines:
@@ -130,7 +140,7 @@ class FakeEngines:
                 num_prompt_tokens=len(prompt),
                 num_cached_tokens=cached,
                 kv_params=out_params,
-                engine_timings={"queue_s": 0.0, "first_token_s": 0.0},
+                engine_timings=ENGINE_TIMINGS,
             ),
             "prefill-0",
         )
@@ -228,7 +238,7 @@ class FakeEngines:
                     num_prompt_tokens=len(prompt),
                     num_cached_tokens=cached if last else 0,
                     kv_params=final_params,
-                    engine_timings={"queue_s": 0.0, "first_token_s": 0.0} if i == 0 else None,
+                    engine_timings=ENGINE_TIMINGS if i == 0 else None,
                 ),
                 replica,
             )
@@ -1151,16 +1161,22 @@ async def test_turn_reports_where_the_time_went(model_dir):
     rig = Rig(model_dir, PacedEngines(0.001), max_model_len=1024)
     _, _, r = await rig.turn(text=LONG_SYSTEM + "USER: hi\nASSISTANT:")
     t = r.timings
-    assert set(t) == {
-        "store_s",
-        "session_s",
-        "prefill_s",
-        "first_token_s",
-        "prefill_engine_s",
-        "prefill_queue_s",
-        "decode_engine_s",
-        "decode_queue_s",
-    }
+    engine_parts = {f"{leg}_{part}" for leg in ("prefill", "decode") for part in ENGINE_PARTS}
+    assert (
+        set(t)
+        == {
+            "store_s",
+            "session_s",
+            "prefill_s",
+            "first_token_s",
+            "prefill_engine_s",
+            "prefill_queue_s",
+            "decode_engine_s",
+            "decode_queue_s",
+        }
+        | engine_parts
+    )
+    assert t["prefill_compute_s"] == ENGINE_TIMINGS["compute_s"] == t["decode_compute_s"]
     assert 0 <= t["store_s"] <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
     assert t["prefill_s"] - t["session_s"] >= 0.001 * r.prompt_tokens  # the paced prefill leg
 
@@ -1168,7 +1184,18 @@ async def test_turn_reports_where_the_time_went(model_dir):
 async def test_single_mode_reports_no_prefill_leg(model_dir):
     rig = Rig(model_dir, mode="single")
     _, _, r = await rig.turn(text=P1)
-    assert set(r.timings) == {"store_s", "session_s", "first_token_s", "decode_engine_s", "decode_queue_s"}
+    decode_parts = {f"decode_{part}" for part in ENGINE_PARTS}
+    assert (
+        set(r.timings)
+        == {
+            "store_s",
+            "session_s",
+            "first_token_s",
+            "decode_engine_s",
+            "decode_queue_s",
+        }
+        | decode_parts
+    )
 
 
 # -- decode pin deadline (the claim's remaining pin time bounds the pull) --------------------
@@ -1589,3 +1616,21 @@ async def test_max_tokens_past_the_context_are_clamped_as_vllm_does(model_dir):
     _, ids, result = await rig.turn(text=P1, max_tokens=100)
     assert len(ids) == room and result.completion_tokens == room and result.finish_reason == "length"
     assert rig.turns.counts["max_tokens_clamped"] == 1
+
+
+def test_engine_timings_split_a_legs_time_to_its_first_output():
+    """vLLM's request stats (the engine core's monotonic stamps) and this process's own
+    give the leg's time to the engine core, in its scheduler, computing, and back."""
+    from types import SimpleNamespace
+
+    from app.engines.engine import _engine_timings
+
+    stats = SimpleNamespace(
+        queued_ts=10.002, scheduled_ts=10.012, first_token_ts=10.050, first_token_latency=0.06
+    )
+    t = _engine_timings(stats, called=10.0, now=10.058)
+    assert t == pytest.approx(
+        {"queue_s": 0.01, "first_token_s": 0.06, "input_s": 0.002, "compute_s": 0.038, "output_s": 0.008}
+    )
+    assert set(_engine_timings(stats)) == {"queue_s", "first_token_s"}  # no stamps of its own
+    assert _engine_timings(SimpleNamespace(first_token_ts=0.0)) is None

@@ -8,6 +8,7 @@ vLLM engine; `app.api` imports vLLM for its request models, output parsers and t
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -171,11 +172,12 @@ class VLLMEngine:
             prompt["cache_salt"] = request.cache_salt
         timed = False
         assert self._llm is not None  # started
+        called = time.monotonic()
         async for out in self._llm.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]
             timings = None
             if not timed and completion.token_ids:
-                timings, timed = _engine_timings(out.metrics), True
+                timings, timed = _engine_timings(out.metrics, called, time.monotonic()), True
             yield EngineChunk(
                 token_ids=tuple(completion.token_ids),
                 text=completion.text,
@@ -255,12 +257,23 @@ def check_vllm_api() -> None:
             raise Unsupported(f"{cls.__name__} has no {', '.join(map(repr, missing))}")
 
 
-def _engine_timings(stats) -> dict[str, float] | None:
-    """`EngineChunk.engine_timings` from vLLM's `RequestStateStats` (None without stats)."""
+def _engine_timings(stats, called: float | None = None, now: float | None = None) -> dict[str, float] | None:
+    """`EngineChunk.engine_timings` from vLLM's `RequestStateStats` (None without stats):
+    `queue_s` in the engine core's scheduler (a read of remote KV included) and
+    `first_token_s` from the request's arrival to its first output. With `called` and
+    `now` (this process's monotonic clock when the request was made and its first output
+    came; the engine core stamps the same clock), also the split of that time:
+    `input_s` to the engine core, `compute_s` from scheduled to the first token's step,
+    `output_s` back to this process."""
     if stats is None or not getattr(stats, "first_token_ts", 0.0):
         return None
     queue = max(0.0, stats.scheduled_ts - stats.queued_ts) if stats.scheduled_ts else 0.0
-    return {"queue_s": round(queue, 5), "first_token_s": round(stats.first_token_latency, 5)}
+    out = {"queue_s": round(queue, 5), "first_token_s": round(stats.first_token_latency, 5)}
+    if called is not None and now is not None and stats.queued_ts and stats.scheduled_ts:
+        out["input_s"] = round(max(0.0, stats.queued_ts - called), 5)
+        out["compute_s"] = round(max(0.0, stats.first_token_ts - stats.scheduled_ts), 5)
+        out["output_s"] = round(max(0.0, now - stats.first_token_ts), 5)
+    return out
 
 
 def sampling_params(request: EngineRequest):

@@ -59,6 +59,9 @@ DECODE_ATTEMPTS = 3
 """Decode replicas a turn tries before it fails (each after the last failed before output)."""
 DECODE_RETRY_PAUSE_S = 0.2
 """Pause before the n-th retry, times n: Serve's routers drop a dead replica within it."""
+ENGINE_PARTS = ("input_s", "compute_s", "output_s")
+"""The split of an engine leg's time to its first output (`app.engines.engine`), kept in a
+turn's timings as `prefill_<part>` and `decode_<part>`."""
 
 
 class Legs:
@@ -139,6 +142,9 @@ class Legs:
         if timings is not None and final.engine_timings:
             timings["prefill_queue_s"] = final.engine_timings["queue_s"]
             timings["prefill_engine_s"] = final.engine_timings["first_token_s"]
+            for part in ENGINE_PARTS:
+                if part in final.engine_timings:
+                    timings[f"prefill_{part}"] = final.engine_timings[part]
         try:
             kv_params = KVHandle.from_wire(final.kv_params).to_wire()
         except WireError:
