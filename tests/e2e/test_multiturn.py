@@ -51,6 +51,10 @@ def _run_chat(apps, session, stream, via_handle=False, turns=3):
             _turn_checks(apps, reply, before, history_len)
         t = reply.kvturn["timings"]
         assert 0 <= t["session_s"] <= t["prefill_s"] <= t["first_token_s"]
+        # The prefill leg's parts (the engine core stamps this host's monotonic clock) fit
+        # within the leg as the ingress timed it.
+        parts = [t[f"prefill_{part}"] for part in ("input_s", "queue_s", "compute_s", "output_s")]
+        assert all(p >= 0 for p in parts) and sum(parts) <= t["prefill_s"] - t["session_s"]
         history_len = len(reply.prompt_token_ids) + len(reply.token_ids) - 1
         replies.append(reply)
         messages = messages + [
