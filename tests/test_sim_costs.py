@@ -206,6 +206,20 @@ def test_a_read_is_issued_and_seen_done_at_step_boundaries(macro):
     assert read.first_at == pytest.approx(t + COST.step(2, 10 + steps + 300, []), rel=1e-9)
 
 
+def test_jobs_ending_in_one_step_end_in_their_order_of_arrival():
+    """Ties break by arrival, not by where the jobs sit in memory: a run is the same in
+    every process."""
+    env = simpy.Environment()
+    engine = Engine(env, COST, "e", 32)
+    arrived = sorted((Job(50, 0, 4) for _ in range(4)), key=id, reverse=True)  # against their ids
+    ended: list[Job] = []
+    for job in arrived:
+        engine.submit(job)
+        job.done.callbacks.append(lambda _, job=job: ended.append(job))
+    env.run()
+    assert ended == arrived
+
+
 def test_decode_stretches_keep_every_time():
     """Decode-only steps run as one event give the same first and last token times as
     step by step, arrivals mid-stretch included."""

@@ -37,6 +37,7 @@ no `HostCpu`.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -109,6 +110,9 @@ class Job:
     tag: Any = None
     read_s: float = 0.0
     """Time of the read of its KV from another engine, before it can be scheduled."""
+    seq: int = 0
+    """Its order of arrival at its engine (set by `submit`): ties between jobs that end in
+    the same step break by it, so a run does not depend on where objects sit in memory."""
     ready_at: float | None = None
     """When its read completes (set when the engine issues it)."""
 
@@ -170,7 +174,8 @@ class Engine:
         self._reading: list[Job] = []
         """Their read issued; scheduled at the first step boundary after it completes."""
         self._running: dict[int, _Running] = {}
-        self._finish: list[tuple[int, int]] = []  # heap of (finish step, job id)
+        self._finish: list[tuple[int, int]] = []  # heap of (finish step, job seq)
+        self._arrivals = itertools.count(1)
         self._ctx = 0
         self._blocks = 0
         self._step = 0
@@ -192,6 +197,7 @@ class Engine:
         if self.cpu is not None and self.idle():
             self.cpu.changed(self)
         job.first, job.done = self.env.event(), self.env.event()
+        job.seq = next(self._arrivals)
         job.left = max(0, job.new)
         self.queued_tokens += job.left
         if job.read_s > 0:
@@ -328,7 +334,7 @@ class Engine:
     def _join(self, job: Job) -> None:
         self._blocks += blocks(job.context + job.answer, self.block_size)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self._blocks)
-        key = id(job)
+        key = job.seq
         finish = self._step + max(1, job.answer)
         self._running[key] = _Running(job, self._step, job.context, finish)
         heapq.heappush(self._finish, (finish, key))
@@ -358,9 +364,9 @@ class Engine:
                 if job.answer > 0:
                     self._join(job)
                     # Its prefill step sampled the first token: one fewer to decode.
-                    run = self._running[id(job)]
+                    run = self._running[job.seq]
                     run.finish_step = self._step + job.answer - 1
-                    heapq.heappush(self._finish, (run.finish_step, id(job)))
+                    heapq.heappush(self._finish, (run.finish_step, job.seq))
                     st.decoded_tokens += 1
                 else:
                     job.done.succeed()
