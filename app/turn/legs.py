@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,16 @@ DECODE_RETRY_PAUSE_S = 0.2
 ENGINE_PARTS = ("input_s", "compute_s", "output_s")
 """The split of an engine leg's time to its first output (`app.engines.engine`), kept in a
 turn's timings as `prefill_<part>` and `decode_<part>`."""
+
+
+def record_engine_timings(timings: dict[str, float], leg: str, engine: Mapping[str, float]) -> None:
+    """An engine leg's `EngineChunk.engine_timings` into the turn's `timings`, under the
+    leg's name ("prefill", "decode"): `<leg>_engine_s`, `<leg>_queue_s` and its parts."""
+    timings[f"{leg}_queue_s"] = engine["queue_s"]
+    timings[f"{leg}_engine_s"] = engine["first_token_s"]
+    for part in ENGINE_PARTS:
+        if part in engine:
+            timings[f"{leg}_{part}"] = engine[part]
 
 
 class Legs:
@@ -140,11 +150,7 @@ class Legs:
         if final is None:  # prefill failed twice: decode computes the whole prompt
             return Prefilled()
         if timings is not None and final.engine_timings:
-            timings["prefill_queue_s"] = final.engine_timings["queue_s"]
-            timings["prefill_engine_s"] = final.engine_timings["first_token_s"]
-            for part in ENGINE_PARTS:
-                if part in final.engine_timings:
-                    timings[f"prefill_{part}"] = final.engine_timings[part]
+            record_engine_timings(timings, "prefill", final.engine_timings)
         try:
             kv_params = KVHandle.from_wire(final.kv_params).to_wire()
         except WireError:

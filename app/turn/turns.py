@@ -37,7 +37,7 @@ from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.errors import APIError, DecodeFailed
 from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
-from app.turn.legs import ENGINE_PARTS, Legs, Output, Prefilled
+from app.turn.legs import Legs, Output, Prefilled, record_engine_timings
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded, loads
 from app.turn.placement import Limits, Placement, Reason, place, place_static
@@ -310,11 +310,7 @@ class Turns:
                             leg.first_token()
                     engine = item.chunk.engine_timings
                     if engine and "decode_engine_s" not in timings:
-                        timings["decode_queue_s"] = engine["queue_s"]
-                        timings["decode_engine_s"] = engine["first_token_s"]
-                        for part in ENGINE_PARTS:
-                            if part in engine:
-                                timings[f"decode_{part}"] = engine[part]
+                        record_engine_timings(timings, "decode", engine)
                 delta = answer.take(item)
                 if delta is not None:
                     yield delta
