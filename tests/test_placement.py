@@ -11,7 +11,7 @@ import pytest
 from app.config import AppConfig
 from app.engines.wire import EngineChunk, EngineRequest, Sampling
 from app.turn.events import TurnCount
-from app.turn.pacing import DecodeStreams, LateTokens, LegCost, LegPace, LineFit
+from app.turn.pacing import DecodeStreams, Ewma, LateTokens, LegCost, LegPace, LineFit
 from app.turn.placement import DecodeLoad, Limits, PrefillLoad, Reason, place, place_static
 from connector.handle import KVHandle, Location, local_decode_params
 
@@ -277,6 +277,31 @@ def test_late_outputs_give_a_budget_over_a_window():
     assert late.late == 0
     late.observe(41 * MS)
     assert late.late == 1
+
+
+def test_a_steps_outputs_count_as_that_many_outputs_one_by_one():
+    """`observe_many` (a step's outputs at once, as the simulation reports them) leaves
+    the window, the late count and the pace exactly where as many `observe`s would."""
+    one, many = LateTokens(50 * MS, 0.01, window=50), LateTokens(50 * MS, 0.01, window=50)
+    pace_one, pace_many = Ewma(), Ewma()
+    for gap, count in [(10 * MS, 7), (60 * MS, 3), (20 * MS, 0), (45 * MS, 30), (10 * MS, 45), (90 * MS, 80)]:
+        for _ in range(count):
+            one.observe(gap)
+            pace_one.observe(gap)
+        many.observe_many([gap], count)
+        pace_many.observe_many([gap], count)
+        assert (many.late, many.seen, many.budget) == (one.late, one.seen, one.budget)
+        assert pace_many.value == pace_one.value
+    assert one.late == 50  # the last step filled the window with late outputs
+    steps = [10 * MS, 12 * MS, 41 * MS, 45 * MS, 30 * MS, 60 * MS]  # several steps at once
+    for gap in steps:
+        for _ in range(4):
+            one.observe(gap)
+            pace_one.observe(gap)
+    many.observe_many(steps, 4)
+    pace_many.observe_many(steps, 4)
+    assert (many.late, many.seen, pace_many.value) == (one.late, one.seen, pace_one.value)
+    assert many.late == 3 * 4 + (50 - 24)  # this call's, and the last step's still in the window
 
 
 # -- the static rule (transfer.placement: static) -----------------------------------------------

@@ -242,7 +242,7 @@ def test_every_stream_output_gap_is_reported_step_by_step(macro):
     env = simpy.Environment()
     engine = Engine(env, COST, "e", 32, macro_steps=macro)
     heard: list[tuple[float, int]] = []
-    engine.on_outputs = lambda gap, count: heard.append((gap, count))
+    engine.on_outputs = lambda gaps, count: heard.extend((gap, count) for gap in gaps)
     for at, job in jobs:
         env.process(_send(env, engine, at, job))
     env.run()

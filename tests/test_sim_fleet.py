@@ -162,10 +162,10 @@ def test_late_outputs_spend_the_streams_budget():
     state = policy.PlacementState(lambda: 0.0, transfer, 256)
     state.streams.of("d0").streams = 1
     assert state.place(transfer.decode_local_tokens, "d0") == "short"
-    state.outputs("d0", 2 * transfer.itl_target_ms / 1000, 50)  # 50 late outputs
+    state.outputs("d0", [2 * transfer.itl_target_ms / 1000], 50)  # 50 late outputs
     assert state.streams.of("d0").late.budget < 0
     assert state.place(transfer.decode_local_tokens, "d0") is None  # through prefill (itl)
-    state.outputs("d0", 0.5 * transfer.itl_target_ms / 1000, 100_000)  # on time since
+    state.outputs("d0", [0.5 * transfer.itl_target_ms / 1000], 100_000)  # on time since
     assert state.streams.of("d0").late.budget > 0
     assert state.place(transfer.decode_local_tokens, "d0") == "short"
 
@@ -425,3 +425,4 @@ def test_the_validation_report_counts_the_band_and_the_runs_range():
     assert "1 of 3 figures within the band." in report
     assert "1 of the 2 TTFT figures measured in more than one run within +-20% of their range" in report
     assert "| 0.100-0.120 |" in report and "each GPU would read at 2.5 GB/s" in report
+

@@ -13,11 +13,12 @@ passing engine calls through.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from app.engines.wire import EngineChunk, EngineRequest
@@ -209,6 +210,22 @@ class Ewma:
         old = self.value
         self.value = value if old is None else old + self._weight * (value - old)
 
+    def observe_many(self, values: Iterable[float], count: int) -> None:
+        """`observe(value)` `count` times for each of `values`, in order (the same result,
+        to the last bit)."""
+        if count <= 0:
+            return
+        x, w = self.value, self._weight
+        for value in values:
+            n = count
+            if x is None:
+                x, n = value, n - 1
+            for _ in range(n):
+                if x == value:
+                    break
+                x = x + w * (value - x)
+        self.value = x
+
 
 class LateTokens:
     """Of the last `window` outputs streamed from one decode replica (a token, or the
@@ -240,6 +257,24 @@ class LateTokens:
             self.late -= self._late[0]
         self._late.append(late)
         self.late += late
+
+    def observe_many(self, gaps: Iterable[float], count: int) -> None:
+        """In each of `gaps` (engine steps), `count` outputs came that long after their
+        previous ones: `observe(gap)` `count` times for each, in order."""
+        if count <= 0:
+            return
+        limit = self.MARGIN * self.target_s
+        for late, run in itertools.groupby(gap > limit for gap in gaps):
+            self._extend(late, sum(1 for _ in run) * count)
+
+    def _extend(self, late: bool, count: int) -> None:
+        window = self._late.maxlen or 0
+        count = min(count, window)
+        dropped = len(self._late) + count - window
+        if dropped > 0:
+            self.late -= sum(itertools.islice(self._late, dropped))
+        self._late.extend(itertools.repeat(late, count))
+        self.late += late * count
 
     @property
     def seen(self) -> int:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +183,7 @@ class Engine:
         self.in_stretch = False
         """In a run of decode-only steps priced as one event (`_decode_stretch`)."""
         self.queued_tokens = 0
-        self.on_outputs: Callable[[float, int], None] | None = None
+        self.on_outputs: Callable[[Sequence[float], int], None] | None = None
         """Called after each step with its seconds and the sequences that got an output
         that long after their previous one."""
         env.process(self._loop())
@@ -317,8 +317,7 @@ class Engine:
                 m += 1
                 yield self.env.timeout(max(0.0, started + elapsed(m) - self.env.now))
         if self.on_outputs is not None:
-            for j in range(m):
-                self.on_outputs(a + d * (ctx + batch * j), batch)
+            self.on_outputs([a + d * (ctx + batch * j) for j in range(m)], batch)
         self._steps_done(m, elapsed(m), batch)
 
     def _steps_done(self, m: int, seconds: float, batch: int) -> None:
@@ -349,7 +348,7 @@ class Engine:
         if waited:
             st.itl.append((dt, waited))
             if self.on_outputs is not None:
-                self.on_outputs(dt, waited)
+                self.on_outputs((dt,), waited)
         self._ctx += len(self._running)
         now = self.env.now
         for job in joined:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,5 +388,5 @@ class Fleet:
         yield job.done
         streams.streams -= 1
 
-    def _outputs_of(self, replica: str) -> Callable[[float, int], None]:
-        return lambda gap_s, count: self.placement.outputs(replica, gap_s, count)
+    def _outputs_of(self, replica: str) -> Callable[[Sequence[float], int], None]:
+        return lambda gaps, count: self.placement.outputs(replica, gaps, count)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from app import config
@@ -70,18 +70,22 @@ class PlacementState:
             self.local[replica] = pacing.LegPace()
         return self.local[replica]
 
-    def outputs(self, replica: str, gap_s: float, count: int) -> None:
-        """`count` streams on `replica` got an output `gap_s` after their previous one (one
-        engine step), as `DecodeStreams.stream` observes each chunk."""
+    def outputs(self, replica: str, steps: Sequence[float], count: int) -> None:
+        """In each of `steps` (engine steps, their seconds), `count` streams on `replica`
+        got an output that long after their previous one, as `DecodeStreams.stream`
+        observes each chunk."""
         streams = self.streams.of(replica)
+        pace, late = streams.seconds_per_token, streams.late
         outputs = min(count, self.LATE_WINDOW)
-        if self._ratios:
-            gaps = [gap_s * r for r in self._jitter_rng.choices(self._ratios, self._shares, k=outputs)]
-        else:
-            gaps = [gap_s] * outputs
-        for gap in gaps:
-            streams.seconds_per_token.observe(gap)
-            streams.late.observe(gap)
+        if not self._ratios:
+            pace.observe_many(steps, outputs)
+            late.observe_many(steps, outputs)
+            return
+        for gap_s in steps:
+            ratios = self._jitter_rng.choices(self._ratios, self._shares, k=outputs)
+            for gap in [gap_s * r for r in ratios]:
+                pace.observe(gap)
+                late.observe(gap)
 
     def least_loaded(self, replicas: list[str]) -> str | None:
         """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt
