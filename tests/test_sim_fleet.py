@@ -426,3 +426,62 @@ def test_the_validation_report_counts_the_band_and_the_runs_range():
     assert "1 of the 2 TTFT figures measured in more than one run within +-20% of their range" in report
     assert "| 0.100-0.120 |" in report and "each GPU would read at 2.5 GB/s" in report
 
+
+def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(tmp_path):
+    """`--validate --run FILE --grid FILE`: the figures of a fleet study's results file
+    (the placement rule read from its turns' reasons), and the CPU engine fitted on a
+    grid file of `bench.prefill_cost --grid`."""
+    import json
+
+    from bench.sim.costs import fit_prefill
+    from bench.sim.params import read_grid
+    from bench.sim.validate import BUCKET_NAMES, read_reference
+
+    def level(agents, tps, meets, placements):
+        buckets = {name: {"turns": 3, "ttft_p50_s": 0.1 * (i + 1)} for i, name in enumerate(BUCKET_NAMES)}
+        return {
+            "agents": agents,
+            "turns_per_s": tps,
+            "ttft_p90_s": 0.5,
+            "itl_p99_s": 0.03 if meets else 0.07,
+            "meets_slo": meets,
+            "buckets": buckets,
+            "placements": placements,
+        }
+
+    modes = {
+        "dp": {
+            "goodput": {"agents": 4, "turns_per_s": 1.6},
+            "levels": [level(4, 1.6, True, {}), level(8, 2.2, False, {})],
+        },
+        "bidir": {
+            "goodput": {"agents": 8, "turns_per_s": 2.3},
+            "levels": [level(4, 1.7, True, {"short": 40}), level(8, 2.3, True, {"itl": 30, "sooner": 3})],
+        },
+    }
+    run = tmp_path / "fleet.json"
+    run.write_text(json.dumps({"modes": modes}))
+    ref = read_reference(str(run))
+    assert ref.goodput == {"dp": (1.6, 4), "bidir": (2.3, 8)}
+    assert ref.ttft_p50["bidir"] == pytest.approx((0.1, 0.2, 0.3, 0.4))
+    assert ref.levels[("dp", 8)] == (2.2, 0.5, 0.07) and ref.placement == "priced"
+    modes["bidir"]["levels"][1]["placements"] = {"busy": 2, "idle": 40}  # the static rule's reasons
+    run.write_text(json.dumps({"modes": modes}))
+    assert read_reference(str(run)).placement == "static"
+
+    # A grid 20% slower than the docs' everywhere fits an engine 20% slower.
+    from bench.sim.params import CPU_DECODE_GRID, CPU_PREFILL_GRID
+
+    points = [{"new": n, "cached": c, "median_s": s * 1.2} for n, c, s in CPU_PREFILL_GRID]
+    decode = [{"batch": b, "history": c, "step_s": s * 1.2} for b, c, s in CPU_DECODE_GRID]
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"results": {"plain": {"points": points, "decode": decode}}}))
+    grid = read_grid(str(path))
+    assert len(grid.prefill) == len(CPU_PREFILL_GRID) and grid.decode[0] == (
+        1,
+        0,
+        pytest.approx(0.00448 * 1.2),
+    )
+    slower, docs = cpu_fleet(grid).engine, cpu_fleet().engine
+    assert slower.token_s == pytest.approx(fit_prefill(CPU_PREFILL_GRID)[1] * 1.2, rel=1e-3)
+    assert slower.step_s > docs.step_s

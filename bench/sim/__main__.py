@@ -18,7 +18,7 @@ import time
 
 from bench import settings
 from bench.sim.fleet import MODES, Fleet, FleetSpec
-from bench.sim.params import cpu_fleet, gpu_qwen3_32b
+from bench.sim.params import cpu_fleet, gpu_qwen3_32b, read_grid
 from bench.sim.study import level_figures
 from bench.traces import read_trace
 
@@ -56,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--jitter-mode", default="bidir-pd")
     p.add_argument("--jitter-agents", default="4")
+    p.add_argument(
+        "--run",
+        metavar="FILE",
+        help="--validate against this fleet study's results (bench --out) instead of the docs' run",
+    )
+    p.add_argument(
+        "--grid",
+        metavar="FILE",
+        help="--validate, --study: the CPU engine fitted on this bench.prefill_cost --grid file "
+        "(the VM and day of --run) instead of the docs' grid",
+    )
     p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
     p.add_argument("--mode", default="bidir", choices=MODES)
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
@@ -82,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
         assert (shape := profile("fleet").trace) is not None
         levels: list[dict] = []
-        rows, gpu = validate.cpu_table(shape, levels_out=levels), validate.gpu_case()
-        print(validate.format_report(rows, gpu))
+        ref = validate.read_reference(args.run) if args.run else validate.DOCS_RUN
+        hw = cpu_fleet(read_grid(args.grid)) if args.grid else cpu_fleet()
+        rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), validate.gpu_case()
+        print(validate.format_report(rows, gpu, ref))
         print("\n" + validate.format_levels(levels))
         out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu}
     if args.project:
@@ -115,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
         prof = profile(args.profile)
         assert prof.trace is not None
-        hw = cpu_fleet() if args.cores is None else replace(cpu_fleet(), cores=args.cores)
+        hw = cpu_fleet(read_grid(args.grid)) if args.grid else cpu_fleet()
+        hw = hw if args.cores is None else replace(hw, cores=args.cores)
         if prof.kv_cache_bytes:  # the fleet-32k profile gives its engines twice the fleet's KV
             hw = replace(hw, kv_blocks=prof.kv_cache_bytes // (hw.kv_bytes_per_token * hw.block_size))
         transfer = settings(args.transfer, "--transfer")

@@ -176,9 +176,35 @@ CPU_HOST_CPU_PER_TURN_S = 0.20
 """The serving processes' CPU seconds per turn in the fleet study (`Hardware.host_cpu_per_turn_s`)."""
 
 
-def cpu_fleet() -> Hardware:
-    fixed, token_s, attn_s, chunk_ctx_s = fit_prefill(CPU_PREFILL_GRID)
-    step_s, seq_s, ctx_s = fit_decode(decode_points())
+@dataclass(frozen=True)
+class Grid:
+    """A calibration: the points the CPU engine's costs are fitted on."""
+
+    prefill: tuple[tuple[int, int, float], ...]
+    """(new tokens computed, cached tokens, seconds to the first output)."""
+    decode: tuple[tuple[int, int, float], ...]
+    """(sequences decoding, context tokens of each, seconds a step)."""
+    source: str
+
+
+def read_grid(path: str) -> Grid:
+    """The points of a `bench.prefill_cost --grid` results file (`CPU_GRID_COMMAND`, whose
+    decode batches give each sequence its own history), for a calibration on the day and
+    VM of the run it is validated against (`--validate --grid FILE --run FILE`)."""
+    import json
+
+    with open(path) as f:
+        plain = json.load(f)["results"]["plain"]
+    prefill = tuple((p["new"], p["cached"], p["median_s"]) for p in plain["points"])
+    decode = tuple((d["batch"], d["history"], d["step_s"]) for d in plain["decode"])
+    return Grid(prefill, decode, path)
+
+
+def cpu_fleet(grid: Grid | None = None) -> Hardware:
+    """The fleet study's VM, its engine fitted on the grid of 2026-12-06 (the constants
+    above) or on `grid`."""
+    fixed, token_s, attn_s, chunk_ctx_s = fit_prefill(grid.prefill if grid else CPU_PREFILL_GRID)
+    step_s, seq_s, ctx_s = fit_decode(grid.decode if grid else decode_points())
     engine = EngineCost(
         step_s=step_s,
         token_s=token_s,
@@ -191,15 +217,16 @@ def cpu_fleet() -> Hardware:
     )
     kv_bytes = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
     doc = "docs/benchmarks.md"
-    grid = f"`{CPU_GRID_COMMAND}`"
-    histories = _spread(c for _, c, _ in CPU_PREFILL_GRID)
-    news = _spread(n for n, _, _ in CPU_PREFILL_GRID)
-    batches = _spread(b for b, _, _ in decode_points())
+    command = f"`{CPU_GRID_COMMAND}`" + (f" ({grid.source})" if grid else "")
+    prefill_points = grid.prefill if grid else CPU_PREFILL_GRID
+    histories = _spread(c for _, c, _ in prefill_points)
+    news = _spread(n for n, _, _ in prefill_points)
+    batches = _spread(b for b, _, _ in (grid.decode if grid else decode_points()))
     params = (
         Param(
             "step_s",
             f"{step_s * 1e3:.2f} ms",
-            f"least squares over the grid's decode steps ({grid}): one sequence over each history, "
+            f"least squares over the grid's decode steps ({command}): one sequence over each history, "
             "1-8 sequences over none, and 4-8 sequences each over its own history (a later run, "
             "scaled to the grid's level)",
             "ITL p99 (every mode)",
@@ -225,7 +252,7 @@ def cpu_fleet() -> Hardware:
         Param(
             "token_s",
             f"{token_s * 1e6:.2f} us/token",
-            f"least squares over the grid's prefill legs ({grid}): new {news} over histories "
+            f"least squares over the grid's prefill legs ({command}): new {news} over histories "
             f"{histories} tokens",
             "TTFT of oneway; goodput of bidir-pd (prefill saturation)",
         ),

@@ -20,9 +20,10 @@
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
@@ -71,6 +72,56 @@ MEASURED_LEVELS = {
 }
 """(turns/s, TTFT p90 s, ITL p99 s) per mode and level (docs/benchmarks.md fleet study):
 context for the table above, not part of its band."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One measured run of the CPU fleet study that the table compares with."""
+
+    name: str
+    goodput: Mapping[str, tuple[float, int]]
+    """Per mode, turns/s at the target and the agents there."""
+    ttft_p50: Mapping[str, tuple[float | None, ...]]
+    """Per mode, TTFT p50 (s) at 8 agents by history bucket (`BUCKET_NAMES`)."""
+    levels: Mapping[tuple[str, int], tuple[float, float, float]]
+    """(turns/s, TTFT p90 s, ITL p99 s) per mode and level: context, not the band."""
+    placement: str = "static"
+    """The app's placement rule in that run (`transfer.placement`)."""
+    other_runs: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    """The same TTFT figures in other runs (context: how far the VM moves run to run)."""
+
+
+DOCS_RUN = Reference(
+    "docs/benchmarks.md fleet study",
+    MEASURED_GOODPUT,
+    MEASURED_TTFT_P50,
+    MEASURED_LEVELS,
+    "static",
+    OTHER_RUNS_TTFT_P50,
+)
+
+
+def read_reference(path: str) -> Reference:
+    """A run of `python -m bench --profile fleet --modes dp,oneway,bidir,bidir-pd --out
+    FILE` as the reference. Its placement rule is read from the reasons its turns were
+    placed for (`busy` and `idle` are the static rule's only)."""
+    with open(path) as f:
+        run = json.load(f)
+    goodput: dict[str, tuple[float, int]] = {}
+    ttft: dict[str, tuple[float | None, ...]] = {}
+    levels: dict[tuple[str, int], tuple[float, float, float]] = {}
+    reasons: set[str] = set()
+    for mode, result in run["modes"].items():
+        best = result.get("goodput") or {}
+        goodput[mode] = (best.get("turns_per_s") or 0.0, best.get("agents") or 0)
+        for lv in result["levels"]:
+            levels[(mode, lv["agents"])] = (lv["turns_per_s"], lv["ttft_p90_s"], lv["itl_p99_s"])
+            reasons |= set(lv.get("placements") or {})
+            if lv["agents"] == 8:
+                ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
+    placement = "static" if reasons & {"busy", "idle"} else "priced"
+    return Reference(path, goodput, ttft, levels, placement)
+
 
 GPU_HISTORY_TOKENS = 24_000
 GPU_NEW_TOKENS = 140
@@ -122,14 +173,17 @@ def gpu_mean_ttft(
 
 
 def cpu_table(
-    shape: TraceShape, hw: Hardware | None = None, levels_out: list[dict[str, Any]] | None = None
+    shape: TraceShape,
+    hw: Hardware | None = None,
+    levels_out: list[dict[str, Any]] | None = None,
+    ref: Reference = DOCS_RUN,
 ) -> list[dict[str, Any]]:
-    """Rows of (mode, figure, measured, simulated, ratio, within band); `levels_out`
-    collects each level's simulated figures beside the measured ones."""
+    """Rows of (mode, figure, measured, simulated, ratio, within band) against `ref`;
+    `levels_out` collects each level's simulated figures beside the measured ones."""
     hw = hw or cpu_fleet()
     rows: list[dict[str, Any]] = []
-    for mode, (good, agents) in MEASURED_GOODPUT.items():
-        spec = two_engines(mode, hw, placement="static")
+    for mode, (good, agents) in ref.goodput.items():
+        spec = two_engines(mode, hw, placement=ref.placement)
         run = run_mode(spec, shape, ramp=False)
         ramped: list[dict[str, Any]] = []
         for level in run["levels"]:
@@ -149,12 +203,12 @@ def cpu_table(
             )
         )
         for lv in run["levels"]:
-            if levels_out is not None and (mode, lv["agents"]) in MEASURED_LEVELS:
-                levels_out.append(
-                    {"mode": mode, "sim": lv, "measured": MEASURED_LEVELS[(mode, lv["agents"])]}
-                )
+            if levels_out is not None and (mode, lv["agents"]) in ref.levels:
+                levels_out.append({"mode": mode, "sim": lv, "measured": ref.levels[(mode, lv["agents"])]})
         at8 = next(lv for lv in run["levels"] if lv["agents"] == 8)
-        for i, (name, measured) in enumerate(zip(BUCKET_NAMES, MEASURED_TTFT_P50[mode], strict=True)):
+        for i, (name, measured) in enumerate(zip(BUCKET_NAMES, ref.ttft_p50.get(mode, ()), strict=False)):
+            if measured is None:
+                continue
             row = _row(
                 mode,
                 f"TTFT p50 {name} at 8 agents (s)",
@@ -162,7 +216,7 @@ def cpu_table(
                 at8["buckets"][name]["ttft_p50_s"],
                 CPU_BAND,
             )
-            others = [run[i] for run in OTHER_RUNS_TTFT_P50.get(mode, ())]
+            others = [run[i] for run in ref.other_runs.get(mode, ())]
             if others:
                 row["runs"] = (min([measured, *others]), max([measured, *others]))
             rows.append(row)
@@ -299,9 +353,9 @@ def format_levels(levels: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any]) -> str:
+def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any], ref: Reference = DOCS_RUN) -> str:
     lines = [
-        "CPU fleet study (docs/benchmarks.md), simulated vs measured, band +-20%:",
+        f"CPU fleet study ({ref.name}, placement: {ref.placement}), simulated vs measured, band +-20%:",
         "",
         "| mode | figure | measured | simulated | sim/measured | within | range over runs (context) |",
         "| --- | --- | ---: | ---: | ---: | --- | --- |",
@@ -319,11 +373,13 @@ def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any]) -> str:
     near = sum(
         r["runs"][0] * (1 - CPU_BAND) <= r["simulated"] <= r["runs"][1] * (1 + CPU_BAND) for r in ranged
     )
+    lines += ["", f"{inside} of {len(rows)} figures within the band."]
+    if ranged:
+        lines.append(
+            f"{near} of the {len(ranged)} TTFT figures measured in more than one run within +-20% of "
+            "their range (context: how far this VM moves run to run)."
+        )
     lines += [
-        "",
-        f"{inside} of {len(rows)} figures within the band.",
-        f"{near} of the {len(ranged)} TTFT figures measured in more than one run within +-20% of "
-        "their range (context: how far this VM moves run to run).",
         "",
         "Qwen3-32B, 1P1D TP8 on H200, vLLM's multi-turn benchmark (2 clients, 6 active "
         "conversations, first prompts of 24k tokens; published means: 778 ms one-way, 460 ms "
