@@ -433,9 +433,8 @@ def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(
     grid file of `bench.prefill_cost --grid`."""
     import json
 
-    from bench.sim.costs import fit_prefill
-    from bench.sim.params import read_grid
-    from bench.sim.validate import BUCKET_NAMES, read_reference
+    from bench.sim.costs import fit_prefill, read_grid
+    from bench.sim.reference import BUCKET_NAMES, read_reference
 
     def level(agents, tps, meets, placements):
         buckets = {name: {"turns": 3, "ttft_p50_s": 0.1 * (i + 1)} for i, name in enumerate(BUCKET_NAMES)}
@@ -485,3 +484,30 @@ def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(
     slower, docs = cpu_fleet(grid).engine, cpu_fleet().engine
     assert slower.token_s == pytest.approx(fit_prefill(CPU_PREFILL_GRID)[1] * 1.2, rel=1e-3)
     assert slower.step_s > docs.step_s
+
+
+def test_replays_move_only_the_arrivals_and_the_validation_reads_their_median():
+    """`jittered` keeps the workload and moves each arrival by at most its spread, the same
+    for the same seed; the validation's simulated figure is the replays' median, with
+    their range beside it."""
+    from bench.profiles import profile
+    from bench.sim.reference import Reference
+    from bench.sim.study import jittered, level_trace
+    from bench.sim.validate import cpu_table
+
+    shape = profile("fleet").trace
+    assert shape is not None
+    trace = level_trace(shape, 8)
+    moved = jittered(trace, 3, spread_s=0.05)
+    assert [s.turns for s in moved.sessions] == [s.turns for s in trace.sessions]
+    shifts = [m.start_s - s.start_s for m, s in zip(moved.sessions, trace.sessions, strict=True)]
+    assert all(abs(d) <= 0.05 + 1e-9 for d in shifts) and any(abs(d) > 0.001 for d in shifts)
+    assert jittered(trace, 3, spread_s=0.05) == moved and jittered(trace, 4, spread_s=0.05) != moved
+
+    ref = Reference("one mode", {"dp": (2.0, 8)}, {"dp": (0.1, 0.1, 0.1, 0.4)}, {("dp", 8): (2.0, 0.4, 0.04)})
+    levels: list = []
+    rows = cpu_table(shape, levels_out=levels, ref=ref, replays=3)
+    assert len(rows) == 5 and all(r["replays"][0] <= r["simulated"] <= r["replays"][1] for r in rows)
+    assert [lv["sim"]["agents"] for lv in levels] == [8] and levels[0]["sim"]["met"].endswith("/3")
+    once = cpu_table(shape, ref=ref, replays=1)
+    assert all(r["replays"][0] == r["simulated"] == r["replays"][1] for r in once if r["simulated"])

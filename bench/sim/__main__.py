@@ -17,8 +17,9 @@ import sys
 import time
 
 from bench import settings
+from bench.sim.costs import read_grid
 from bench.sim.fleet import MODES, Fleet, FleetSpec
-from bench.sim.params import cpu_fleet, gpu_qwen3_32b, read_grid
+from bench.sim.params import cpu_fleet, gpu_qwen3_32b
 from bench.sim.study import level_figures
 from bench.traces import read_trace
 
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {prm.name} | {prm.value} | {prm.source} | {prm.moves} |")
     if args.validate:
         from bench.profiles import profile
-        from bench.sim import validate
+        from bench.sim import reference, validate
 
         assert (shape := profile("fleet").trace) is not None
         levels: list[dict] = []
-        ref = validate.read_reference(args.run) if args.run else validate.DOCS_RUN
+        ref = reference.read_reference(args.run) if args.run else reference.DOCS_RUN
         hw = cpu_fleet(read_grid(args.grid)) if args.grid else cpu_fleet()
         rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), validate.gpu_case()
         print(validate.format_report(rows, gpu, ref))

@@ -231,3 +231,28 @@ def gpu_cost(
         decode_ctx_s=kv_bytes_per_token / bandwidth,
         chunk_tokens=chunk_tokens,
     )
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A calibration: the points the CPU engine's costs are fitted on."""
+
+    prefill: tuple[tuple[int, int, float], ...]
+    """(new tokens computed, cached tokens, seconds to the first output)."""
+    decode: tuple[tuple[int, int, float], ...]
+    """(sequences decoding, context tokens of each, seconds a step)."""
+    source: str
+
+
+def read_grid(path: str) -> Grid:
+    """The points of a `bench.prefill_cost --grid` results file
+    (`bench.sim.params.CPU_GRID_COMMAND`, whose decode batches give each sequence its own
+    history), for a calibration on the day and VM of the run it is validated against
+    (`--validate --grid FILE --run FILE`)."""
+    import json
+
+    with open(path) as f:
+        plain = json.load(f)["results"]["plain"]
+    prefill = tuple((p["new"], p["cached"], p["median_s"]) for p in plain["points"])
+    decode = tuple((d["batch"], d["history"], d["step_s"]) for d in plain["decode"])
+    return Grid(prefill, decode, path)

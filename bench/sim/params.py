@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.sim.costs import EngineCost, Jitter, Link, fit_decode, fit_prefill, gpu_cost
+from bench.sim.costs import EngineCost, Grid, Jitter, Link, fit_decode, fit_prefill, gpu_cost
 
 GB = 1e9
 
@@ -174,30 +174,6 @@ CPU_LEG_S = 0.010
 """An engine leg's time to its first output beyond the grid's prediction (`Hardware.leg_s`)."""
 CPU_HOST_CPU_PER_TURN_S = 0.20
 """The serving processes' CPU seconds per turn in the fleet study (`Hardware.host_cpu_per_turn_s`)."""
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A calibration: the points the CPU engine's costs are fitted on."""
-
-    prefill: tuple[tuple[int, int, float], ...]
-    """(new tokens computed, cached tokens, seconds to the first output)."""
-    decode: tuple[tuple[int, int, float], ...]
-    """(sequences decoding, context tokens of each, seconds a step)."""
-    source: str
-
-
-def read_grid(path: str) -> Grid:
-    """The points of a `bench.prefill_cost --grid` results file (`CPU_GRID_COMMAND`, whose
-    decode batches give each sequence its own history), for a calibration on the day and
-    VM of the run it is validated against (`--validate --grid FILE --run FILE`)."""
-    import json
-
-    with open(path) as f:
-        plain = json.load(f)["results"]["plain"]
-    prefill = tuple((p["new"], p["cached"], p["median_s"]) for p in plain["points"])
-    decode = tuple((d["batch"], d["history"], d["step_s"]) for d in plain["decode"])
-    return Grid(prefill, decode, path)
 
 
 def cpu_fleet(grid: Grid | None = None) -> Hardware:

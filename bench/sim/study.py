@@ -10,6 +10,7 @@ which are these steps); TTFT is to the engine's first token plus the hops.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from typing import Any
 
@@ -108,6 +109,22 @@ def level_trace(shape: TraceShape, agents: int, sessions_per_agent: int = 1) -> 
     return trace.renamed(f"level{agents}/")
 
 
+REPLAY_JITTER_S = 0.05
+"""How far a replay moves each session's arrival, either way (`jittered`)."""
+
+
+def jittered(trace: Trace, seed: int, spread_s: float = REPLAY_JITTER_S) -> Trace:
+    """`trace` with each session's arrival moved by up to `spread_s` either way (seeded):
+    the same workload, its turns interleaved a little differently. A measured run is one
+    such interleaving; the simulation's figures move with it as the measured ones do from
+    run to run, so a figure is best read over several replays."""
+    rng = random.Random(seed)
+    sessions = (
+        replace(s, start_s=max(0.0, s.start_s + rng.uniform(-spread_s, spread_s))) for s in trace.sessions
+    )
+    return replace(trace, sessions=tuple(sessions))
+
+
 def run_mode(
     spec: FleetSpec,
     shape: TraceShape,
@@ -115,15 +132,20 @@ def run_mode(
     slo: SLO | None = None,
     ramp: bool = True,
     sessions_per_agent: int = 1,
+    replay: int | None = None,
 ) -> dict[str, Any]:
     """One mode through the levels on one fleet (after a warm-up), stopping after the
-    first level that misses the target when `ramp` (as the benchmark does)."""
+    first level that misses the target when `ramp` (as the benchmark does); `replay`:
+    each level's arrivals `jittered` by that seed (None: as generated)."""
     slo = slo or SLO()
     fleet = Fleet(spec)
     fleet.run(warmup_trace(shape))
     out = []
     for agents in levels:
-        run = fleet.run(level_trace(shape, agents, sessions_per_agent), concurrency=agents)
+        trace = level_trace(shape, agents, sessions_per_agent)
+        if replay is not None:
+            trace = jittered(trace, replay * 1000 + agents)
+        run = fleet.run(trace, concurrency=agents)
         figures = {"agents": agents, **level_figures(run, slo)}
         out.append(figures)
         if ramp and not figures["meets_slo"]:

@@ -4,7 +4,10 @@
    data-parallel engines", one run on a 2-core VM): goodput at the target per mode and
    TTFT p50 per history bucket at 8 agents, simulated with `cpu_fleet()` (fitted on other
    measurements) and the app's placement as it ran then (`placement: static`). Each
-   figure is within the band when simulated / measured is in [0.8, 1.2].
+   simulated figure is the median of `REPLAYS` replays, their arrivals jittered (a
+   measured run is one interleaving of its turns), and within the band when simulated /
+   measured is in [0.8, 1.2]. `--run FILE` and `--grid FILE` compare with another run,
+   the engine fitted on its day's grid.
 2. The published Qwen3-32B case (NOTES.md: AWS-authored write-up, 1P1D on two
    p5en.48xlarge, TP8, vLLM's multi-turn benchmark): TTFT 778 ms one-way against 460 ms
    with the decode->prefill pull at 24k tokens, 1.6x. Both are means over every request
@@ -20,108 +23,21 @@
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
 from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, cpu_fleet, gpu_qwen3_32b
+from bench.sim.reference import BUCKET_NAMES, DOCS_RUN, Reference
 from bench.sim.study import run_mode, two_engines
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
 
 CPU_BAND = 0.20
 GPU_BAND = 0.25
-
-MEASURED_GOODPUT = {"dp": (2.36, 8), "oneway": (1.14, 4), "bidir": (2.35, 8), "bidir-pd": (4.35, 16)}
-"""Turns/s at the target and agents there (docs/benchmarks.md fleet study, goodput table)."""
-BUCKET_NAMES = ("0-2k", "2-4k", "4-8k", "long_tool")
-MEASURED_TTFT_P50 = {
-    "dp": (0.135, 0.139, 0.101, 0.377),
-    "oneway": (0.318, 1.671, 1.916, 1.300),
-    "bidir": (0.116, 0.114, 0.103, 0.558),
-    "bidir-pd": (0.159, 0.261, 0.191, 0.551),
-}
-"""TTFT p50 (s) at 8 agents by history bucket (docs/benchmarks.md fleet study)."""
-
-OTHER_RUNS_TTFT_P50 = {
-    "dp": ((0.136, 0.155, 0.150, 0.476), (0.153, 0.144, 0.128, 0.487), (0.166, 0.166, 0.161, 0.437)),
-    "oneway": ((0.434, 1.749, 2.224, 1.870),),
-    "bidir-pd": ((0.193, 0.267, 0.166, 0.437), (0.160, 0.316, 0.189, 0.469), (0.213, 0.341, 0.247, 0.504)),
-}
-"""The same figures in later runs of the study on another day's code (2026-12-06:
-`--modes dp,oneway,bidir,bidir-pd`, `--modes dp,bidir,bidir-pd` and, in another session,
-`--modes dp,bidir-pd`; one session per agent), for the modes whose turns go where they
-went then (dp, oneway and bidir-pd send every turn one way; bidir's placement changed).
-Context: how far one VM moves run to run, not part of the band."""
-
-MEASURED_LEVELS = {
-    ("dp", 4): (1.74, 0.340, 0.017),
-    ("dp", 8): (2.36, 0.377, 0.041),
-    ("dp", 16): (4.61, 0.443, 0.142),
-    ("oneway", 4): (1.14, 1.679, 0.020),
-    ("oneway", 8): (1.59, 2.453, 0.022),
-    ("bidir", 4): (1.73, 0.276, 0.017),
-    ("bidir", 8): (2.35, 0.369, 0.046),
-    ("bidir", 16): (4.48, 0.408, 0.129),
-    ("bidir-pd", 4): (1.68, 0.364, 0.018),
-    ("bidir-pd", 8): (2.29, 0.627, 0.024),
-    ("bidir-pd", 16): (4.35, 1.014, 0.036),
-    ("bidir-pd", 32): (6.02, 2.597, 0.066),
-}
-"""(turns/s, TTFT p90 s, ITL p99 s) per mode and level (docs/benchmarks.md fleet study):
-context for the table above, not part of its band."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """One measured run of the CPU fleet study that the table compares with."""
-
-    name: str
-    goodput: Mapping[str, tuple[float, int]]
-    """Per mode, turns/s at the target and the agents there."""
-    ttft_p50: Mapping[str, tuple[float | None, ...]]
-    """Per mode, TTFT p50 (s) at 8 agents by history bucket (`BUCKET_NAMES`)."""
-    levels: Mapping[tuple[str, int], tuple[float, float, float]]
-    """(turns/s, TTFT p90 s, ITL p99 s) per mode and level: context, not the band."""
-    placement: str = "static"
-    """The app's placement rule in that run (`transfer.placement`)."""
-    other_runs: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
-    """The same TTFT figures in other runs (context: how far the VM moves run to run)."""
-
-
-DOCS_RUN = Reference(
-    "docs/benchmarks.md fleet study",
-    MEASURED_GOODPUT,
-    MEASURED_TTFT_P50,
-    MEASURED_LEVELS,
-    "static",
-    OTHER_RUNS_TTFT_P50,
-)
-
-
-def read_reference(path: str) -> Reference:
-    """A run of `python -m bench --profile fleet --modes dp,oneway,bidir,bidir-pd --out
-    FILE` as the reference. Its placement rule is read from the reasons its turns were
-    placed for (`busy` and `idle` are the static rule's only)."""
-    with open(path) as f:
-        run = json.load(f)
-    goodput: dict[str, tuple[float, int]] = {}
-    ttft: dict[str, tuple[float | None, ...]] = {}
-    levels: dict[tuple[str, int], tuple[float, float, float]] = {}
-    reasons: set[str] = set()
-    for mode, result in run["modes"].items():
-        best = result.get("goodput") or {}
-        goodput[mode] = (best.get("turns_per_s") or 0.0, best.get("agents") or 0)
-        for lv in result["levels"]:
-            levels[(mode, lv["agents"])] = (lv["turns_per_s"], lv["ttft_p90_s"], lv["itl_p99_s"])
-            reasons |= set(lv.get("placements") or {})
-            if lv["agents"] == 8:
-                ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
-    placement = "static" if reasons & {"busy", "idle"} else "priced"
-    return Reference(path, goodput, ttft, levels, placement)
-
 
 GPU_HISTORY_TOKENS = 24_000
 GPU_NEW_TOKENS = 140
@@ -172,50 +88,75 @@ def gpu_mean_ttft(
     return sum(every) / len(every), sum(later) / len(later)
 
 
+REPLAYS = 7
+"""Replays of each mode, each level's arrivals jittered (`bench.sim.study.jittered`): a
+simulated figure is their median, and their range is printed beside it."""
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _goodput(levels: list[dict[str, Any]]) -> tuple[float, int | None]:
+    """Turns/s at the target and the agents there, as the benchmark ramps (0, None: no level met)."""
+    ramped: list[dict[str, Any]] = []
+    for level in levels:
+        ramped.append(level)
+        if not level["meets_slo"]:
+            break
+    meeting = [lv for lv in ramped if lv["meets_slo"]]
+    best = max(meeting, key=lambda lv: lv["turns_per_s"]) if meeting else None
+    return (best["turns_per_s"], best["agents"]) if best else (0.0, None)
+
+
+def _level(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's figures over the replays: medians, and whether most met the target."""
+    met = sum(lv["meets_slo"] for lv in levels)
+    itl = [lv["itl_p99_s"] for lv in levels if lv["itl_p99_s"] is not None]
+    return {
+        "agents": levels[0]["agents"],
+        "turns_per_s": _median([lv["turns_per_s"] for lv in levels]),
+        "ttft_p90_s": _median([lv["ttft_p90_s"] for lv in levels]),
+        "itl_p99_s": _median(itl) if itl else None,
+        "meets_slo": 2 * met > len(levels),
+        "met": f"{met}/{len(levels)}",
+    }
+
+
 def cpu_table(
     shape: TraceShape,
     hw: Hardware | None = None,
     levels_out: list[dict[str, Any]] | None = None,
     ref: Reference = DOCS_RUN,
+    replays: int = REPLAYS,
 ) -> list[dict[str, Any]]:
-    """Rows of (mode, figure, measured, simulated, ratio, within band) against `ref`;
+    """Rows of (mode, figure, measured, simulated, ratio, within band) against `ref`, each
+    simulated figure the median of `replays` replays (1: the trace as generated, once);
     `levels_out` collects each level's simulated figures beside the measured ones."""
     hw = hw or cpu_fleet()
+    seeds: list[int | None] = list(range(1, replays + 1)) if replays > 1 else [None]
     rows: list[dict[str, Any]] = []
     for mode, (good, agents) in ref.goodput.items():
         spec = two_engines(mode, hw, placement=ref.placement)
-        run = run_mode(spec, shape, ramp=False)
-        ramped: list[dict[str, Any]] = []
-        for level in run["levels"]:
-            ramped.append(level)
-            if not level["meets_slo"]:
-                break
-        meeting = [lv for lv in ramped if lv["meets_slo"]]
-        best = max(meeting, key=lambda lv: lv["turns_per_s"]) if meeting else None
-        sim_good = best["turns_per_s"] if best else None
-        rows.append(
-            _row(
-                mode,
-                f"goodput (turns/s) [sim at {best and best['agents']}, measured at {agents}]",
-                good,
-                sim_good,
-                CPU_BAND,
-            )
-        )
-        for lv in run["levels"]:
+        runs = [run_mode(spec, shape, ramp=False, replay=seed) for seed in seeds]
+        goods = [_goodput(run["levels"]) for run in runs]
+        at = Counter(a for _, a in goods).most_common(1)[0][0]
+        sim_good = _median([g for g, _ in goods]) or None
+        row = _row(mode, f"goodput (turns/s) [sim at {at}, measured at {agents}]", good, sim_good, CPU_BAND)
+        row["replays"] = (min(g for g, _ in goods), max(g for g, _ in goods))
+        rows.append(row)
+        by_agents = [lv["agents"] for lv in runs[0]["levels"]]
+        levels = [_level([run["levels"][i] for run in runs]) for i in range(len(by_agents))]
+        for lv in levels:
             if levels_out is not None and (mode, lv["agents"]) in ref.levels:
                 levels_out.append({"mode": mode, "sim": lv, "measured": ref.levels[(mode, lv["agents"])]})
-        at8 = next(lv for lv in run["levels"] if lv["agents"] == 8)
+        at8 = [next(lv for lv in run["levels"] if lv["agents"] == 8) for run in runs]
         for i, (name, measured) in enumerate(zip(BUCKET_NAMES, ref.ttft_p50.get(mode, ()), strict=False)):
             if measured is None:
                 continue
-            row = _row(
-                mode,
-                f"TTFT p50 {name} at 8 agents (s)",
-                measured,
-                at8["buckets"][name]["ttft_p50_s"],
-                CPU_BAND,
-            )
+            replayed = [lv["buckets"][name]["ttft_p50_s"] for lv in at8]
+            row = _row(mode, f"TTFT p50 {name} at 8 agents (s)", measured, _median(replayed), CPU_BAND)
+            row["replays"] = (min(replayed), max(replayed))
             others = [run[i] for run in ref.other_runs.get(mode, ())]
             if others:
                 row["runs"] = (min([measured, *others]), max([measured, *others]))
@@ -336,7 +277,7 @@ def gpu_case() -> dict[str, Any]:
 
 def format_levels(levels: list[dict[str, Any]]) -> str:
     lines = [
-        "Per level (context; measured / simulated):",
+        "Per level (context; measured / simulated, the replays' medians and how many met the target):",
         "",
         "| mode | agents | turns/s | TTFT p90 (s) | ITL p99 (ms) | meets target |",
         "| --- | ---: | --- | --- | --- | --- |",
@@ -345,28 +286,33 @@ def format_levels(levels: list[dict[str, Any]]) -> str:
         sim, (tps, p90, itl) = row["sim"], row["measured"]
         meets = tps is not None and p90 <= 2.0 and itl <= 0.05
         sim_itl = "-" if sim["itl_p99_s"] is None else f"{sim['itl_p99_s'] * 1e3:.0f}"
+        met = f" ({sim['met']})" if "met" in sim else ""
         lines.append(
             f"| {row['mode']} | {sim['agents']} | {tps:.2f} / {sim['turns_per_s']:.2f} | "
             f"{p90:.2f} / {sim['ttft_p90_s']:.2f} | {itl * 1e3:.0f} / {sim_itl} | "
-            f"{'yes' if meets else 'no'} / {'yes' if sim['meets_slo'] else 'no'} |"
+            f"{'yes' if meets else 'no'} / {'yes' if sim['meets_slo'] else 'no'}{met} |"
         )
     return "\n".join(lines)
 
 
 def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any], ref: Reference = DOCS_RUN) -> str:
     lines = [
-        f"CPU fleet study ({ref.name}, placement: {ref.placement}), simulated vs measured, band +-20%:",
+        f"CPU fleet study ({ref.name}, placement: {ref.placement}), simulated (median of its "
+        "replays) vs measured, band +-20%:",
         "",
-        "| mode | figure | measured | simulated | sim/measured | within | range over runs (context) |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "| mode | figure | measured | simulated | sim/measured | within | simulated over replays | "
+        "measured over runs (context) |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for r in rows:
         sim = "-" if r["simulated"] is None else f"{r['simulated']:.3f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         within = "yes" if r["within"] else "NO"
         spread = "-" if "runs" not in r else f"{r['runs'][0]:.3f}-{r['runs'][1]:.3f}"
+        replays = "-" if "replays" not in r else f"{r['replays'][0]:.3f}-{r['replays'][1]:.3f}"
         lines.append(
-            f"| {r['mode']} | {r['figure']} | {r['measured']:.3f} | {sim} | {ratio} | {within} | {spread} |"
+            f"| {r['mode']} | {r['figure']} | {r['measured']:.3f} | {sim} | {ratio} | {within} | {replays} "
+            f"| {spread} |"
         )
     inside = sum(r["within"] for r in rows)
     ranged = [r for r in rows if "runs" in r and r["simulated"] is not None]
@@ -424,7 +370,8 @@ def cpu_sensitivity(shape: TraceShape, scale: float = 1.25) -> list[dict[str, An
     }
 
     def figures(hardware: Hardware) -> dict[tuple[str, str], float | None]:
-        return {(r["mode"], r["figure"].split(" [")[0]): r["simulated"] for r in cpu_table(shape, hardware)}
+        rows = cpu_table(shape, hardware, replays=1)
+        return {(r["mode"], r["figure"].split(" [")[0]): r["simulated"] for r in rows}
 
     reference = figures(hw)
     out = []
