@@ -511,3 +511,15 @@ def test_replays_move_only_the_arrivals_and_the_validation_reads_their_median():
     assert [lv["sim"]["agents"] for lv in levels] == [8] and levels[0]["sim"]["met"].endswith("/3")
     once = cpu_table(shape, ref=ref, replays=1)
     assert all(r["replays"][0] == r["simulated"] == r["replays"][1] for r in once if r["simulated"])
+
+
+def test_a_turns_engine_time_is_its_engines_part_of_the_first_token():
+    """`engine_s`: from reaching the engine that streams the answer to its first output
+    (a lone dp turn: its prompt's compute, as the grid prices it); the rest of the TTFT is
+    the host's (hops, ingress, store, the leg's own overhead)."""
+    trace = Trace((TraceSession("a", 0.0, 100, (TraceTurn("user", 200, 5),)),))
+    hw = replace(cpu_fleet(), cores=0.0)
+    turn = Fleet(FleetSpec("dp", hw)).run(trace).turns[0]
+    assert turn.engine_s == pytest.approx(hw.engine.step(0, 0, [(300, 0)]))  # one step of its 300 tokens
+    assert 0 < turn.engine_s < turn.ttft_s
+    assert turn.ttft_s - turn.engine_s >= hw.ingress_s + hw.hop_s + hw.leg_s

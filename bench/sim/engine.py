@@ -115,6 +115,8 @@ class Job:
     the same step break by it, so a run does not depend on where objects sit in memory."""
     ready_at: float | None = None
     """When its read completes (set when the engine issues it)."""
+    submitted_at: float = 0.0
+    """When it reached its engine (set by `submit`)."""
 
     @property
     def context(self) -> int:
@@ -198,6 +200,7 @@ class Engine:
             self.cpu.changed(self)
         job.first, job.done = self.env.event(), self.env.event()
         job.seq = next(self._arrivals)
+        job.submitted_at = self.env.now
         job.left = max(0, job.new)
         self.queued_tokens += job.left
         if job.read_s > 0:

@@ -79,6 +79,10 @@ class TurnResult:
     """"local:<reason>", "prefill" (pulled), "prefill-recompute", or "single"."""
     start_s: float
     end_s: float = 0.0
+    engine_s: float = 0.0
+    """From reaching the engine that streams its answer to that engine's first output (a
+    P/D turn's: decode's read and first step), as the app's `*_input_s` + `*_queue_s` +
+    `*_compute_s`."""
 
 
 @dataclass
@@ -274,6 +278,7 @@ class Fleet:
         `leg_s` ago); the client sees it `ingress_s` after its request's own share."""
         assert job.first_at is not None
         record.ttft_s = self.env.now - record.start_s + self._host_s(self.spec.hw.ingress_s)
+        record.engine_s = job.first_at - job.submitted_at
         if self._bound is not None and record.ttft_s > self._bound[0]:
             self._late += 1
             if self._late > self._bound[1] and not self._abort.triggered:
