@@ -344,3 +344,18 @@ def test_the_decode_fit_takes_own_history_batches_at_the_grids_level():
         assert s / grid_single[c] == pytest.approx(own[(n, c)] / own[(1, c)])
     step_s, seq_s, ctx_s = fit_decode(points)
     assert step_s > 0 and seq_s > 0 and ctx_s > 0
+
+
+def test_a_prompt_joining_streams_waits_for_the_step_in_progress_then_takes_one_step_with_them():
+    """`bench.prefill_joining.simulated`: on an idle engine a prompt's first output is
+    its one step; beside streams it is at most the step in progress plus one step that
+    also decodes them."""
+    from bench.prefill_joining import simulated
+    from bench.sim.params import cpu_fleet
+
+    cost = cpu_fleet().engine
+    alone = cost.step(0, 0, [(256, 2048)])
+    assert simulated(0, 2048, 256) == pytest.approx(alone)
+    decode = cost.step(4, 4 * 2048)
+    with_streams = simulated(4, 2048, 256)
+    assert alone < with_streams <= decode + cost.step(4, 4 * 2048, [(256, 2048)]) + 1e-9
