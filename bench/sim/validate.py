@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from bench.fleet import goodput
 from bench.sim.fleet import FleetSpec
 from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, cpu_fleet, gpu_qwen3_32b
 from bench.sim.reference import BUCKET_NAMES, DOCS_RUN, Reference
@@ -93,19 +94,11 @@ REPLAYS = 7
 simulated figure is their median, and their range is printed beside it."""
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def _goodput(levels: list[dict[str, Any]]) -> tuple[float, int | None]:
-    """Turns/s at the target and the agents there, as the benchmark ramps (0, None: no level met)."""
-    ramped: list[dict[str, Any]] = []
-    for level in levels:
-        ramped.append(level)
-        if not level["meets_slo"]:
-            break
-    meeting = [lv for lv in ramped if lv["meets_slo"]]
-    best = max(meeting, key=lambda lv: lv["turns_per_s"]) if meeting else None
+    """Turns/s at the target and the agents there, as the benchmark ramps: its levels up
+    to the first that misses (0, None: none met)."""
+    misses = [i for i, lv in enumerate(levels) if not lv["meets_slo"]]
+    best = goodput(levels[: misses[0] + 1] if misses else levels)
     return (best["turns_per_s"], best["agents"]) if best else (0.0, None)
 
 
@@ -115,9 +108,9 @@ def _level(levels: list[dict[str, Any]]) -> dict[str, Any]:
     itl = [lv["itl_p99_s"] for lv in levels if lv["itl_p99_s"] is not None]
     return {
         "agents": levels[0]["agents"],
-        "turns_per_s": _median([lv["turns_per_s"] for lv in levels]),
-        "ttft_p90_s": _median([lv["ttft_p90_s"] for lv in levels]),
-        "itl_p99_s": _median(itl) if itl else None,
+        "turns_per_s": statistics.median([lv["turns_per_s"] for lv in levels]),
+        "ttft_p90_s": statistics.median([lv["ttft_p90_s"] for lv in levels]),
+        "itl_p99_s": statistics.median(itl) if itl else None,
         "meets_slo": 2 * met > len(levels),
         "met": f"{met}/{len(levels)}",
     }
@@ -141,7 +134,7 @@ def cpu_table(
         runs = [run_mode(spec, shape, ramp=False, replay=seed) for seed in seeds]
         goods = [_goodput(run["levels"]) for run in runs]
         at = Counter(a for _, a in goods).most_common(1)[0][0]
-        sim_good = _median([g for g, _ in goods]) or None
+        sim_good = statistics.median([g for g, _ in goods]) or None
         row = _row(mode, f"goodput (turns/s) [sim at {at}, measured at {agents}]", good, sim_good, CPU_BAND)
         row["replays"] = (min(g for g, _ in goods), max(g for g, _ in goods))
         rows.append(row)
@@ -155,7 +148,9 @@ def cpu_table(
             if measured is None:
                 continue
             replayed = [lv["buckets"][name]["ttft_p50_s"] for lv in at8]
-            row = _row(mode, f"TTFT p50 {name} at 8 agents (s)", measured, _median(replayed), CPU_BAND)
+            row = _row(
+                mode, f"TTFT p50 {name} at 8 agents (s)", measured, statistics.median(replayed), CPU_BAND
+            )
             row["replays"] = (min(replayed), max(replayed))
             others = [run[i] for run in ref.other_runs.get(mode, ())]
             if others:
