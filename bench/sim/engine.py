@@ -24,7 +24,8 @@ Bookkeeping the tests check: every prompt token a job brings is computed exactly
 KV blocks of running sequences return to zero when the engine is idle (`blocks_in_use`).
 Inter-token latency is kept as (step seconds, sequences that waited that long) pairs,
 one per step, rather than one sample per token; `on_outputs`, when set, is told the same
-for every step (the ingress's view of its streams' gaps, `bench.sim.policy`).
+for every step, a decode stretch's steps in one call (the ingress's view of its streams'
+gaps, `bench.sim.policy`).
 
 On a host whose engines share few cores with the serving processes (the CPU fleet
 study: two one-thread engines, the ingress, Serve's proxy, the engines' front ends and
@@ -186,8 +187,8 @@ class Engine:
         """In a run of decode-only steps priced as one event (`_decode_stretch`)."""
         self.queued_tokens = 0
         self.on_outputs: Callable[[Sequence[float], int], None] | None = None
-        """Called after each step with its seconds and the sequences that got an output
-        that long after their previous one."""
+        """Called with the seconds of each step done (one, or a decode stretch's) and the
+        sequences that got an output that long after their previous one in each."""
         env.process(self._loop())
 
     # -- callers ---------------------------------------------------------------------------
