@@ -84,6 +84,15 @@ def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str,
     }
 
 
+def busy_step(before: dict | None, after: dict | None) -> float | None:
+    """A role's mean engine step while busy over a level, from its replicas' counters."""
+    if not before or not after:
+        return None
+    steps = after.get("engine_busy_steps", 0) - before.get("engine_busy_steps", 0)
+    seconds = after.get("engine_busy_step_s", 0.0) - before.get("engine_busy_step_s", 0.0)
+    return round(seconds / steps, 5) if steps > 0 else None
+
+
 def goodput(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The level with the highest turns/s among those that meet the target."""
     meeting = [lv for lv in levels if lv["meets_slo"] and lv["turns_per_s"]]
@@ -175,6 +184,7 @@ def run_mode(
                 "agents": agents,
                 **level_stats(records, wall, slo),
                 "engine_tokens_computed": computed,
+                "engine_step_s": {r: busy_step(before[r], after[r]) for r in roles},
                 "buckets": buckets(records, long_tools),
                 "long_tool_hops": long_tool_hops(records, long_tools),
                 "placements": placements(records),

@@ -34,6 +34,8 @@ COUNTERS = (
     "kv_transfer_s",
     "kv_transfer_bytes",
     "kv_failed_transfers",
+    "engine_busy_steps",
+    "engine_busy_step_s",
 )
 
 

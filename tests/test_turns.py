@@ -1634,3 +1634,18 @@ def test_engine_timings_split_a_legs_time_to_its_first_output():
     )
     assert set(_engine_timings(stats)) == {"queue_s", "first_token_s"}  # no stamps of its own
     assert _engine_timings(SimpleNamespace(first_token_ts=0.0)) is None
+
+
+def test_an_engines_busy_steps_count_only_while_it_has_requests_running():
+    """`PromptTokenCounts.busy_step`: the time between two steps' outputs is a step when
+    the engine had requests running at the first; an idle engine's wait is none."""
+    from app.engines.wire import PromptTokenCounts
+
+    counts = PromptTokenCounts()
+    counts.busy_step(10.000, running=2)  # the first output: no step before it to time
+    counts.busy_step(10.008, running=2)
+    counts.busy_step(10.020, running=0)  # the last request finished in this step
+    counts.busy_step(13.000, running=1)  # idle for 3 s, then a new request: not a step
+    counts.busy_step(13.010, running=1)
+    assert counts.busy_steps == 3
+    assert counts.busy_step_s == pytest.approx(0.008 + 0.012 + 0.010)

@@ -104,6 +104,8 @@ class EngineServer:
             "kv_failed_transfers": c.failed_transfers,
             "kv_expired_pins": c.expired_pins,
             "kv_reads_after_release": c.reads_after_release,
+            "engine_busy_steps": c.busy_steps,
+            "engine_busy_step_s": round(c.busy_step_s, 4),
             **self._cpu_stats(),
         }
 

@@ -9,7 +9,7 @@ read these without loading vLLM.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -109,6 +109,20 @@ class PromptTokenCounts:
     reads_after_release: int = 0
     """Reads of this engine's blocks reported after it had freed them: a reader got
     blocks another request may own. Must stay 0."""
+    busy_steps: int = 0
+    busy_step_s: float = 0.0
+    """The engine's steps while it had requests running, and their seconds as the replica
+    received them (`busy_step`): `busy_step_s / busy_steps` is its mean step under load."""
+    _last_step: float | None = field(default=None, repr=False, compare=False)
+
+    def busy_step(self, now: float, running: int) -> None:
+        """A step's outputs reached the replica at `now` (monotonic seconds) with `running`
+        requests scheduled: the time since the previous step counts as one step, if the
+        engine had requests running then too (an idle engine's wait is no step)."""
+        if self._last_step is not None:
+            self.busy_steps += 1
+            self.busy_step_s += now - self._last_step
+        self._last_step = now if running > 0 else None
 
     def add_transfers(self, stats: dict) -> None:
         """Fold in the NixlConnector's transfer stats of one scheduler step."""

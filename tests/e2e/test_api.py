@@ -40,6 +40,9 @@ def test_chat_pd_equals_single_engine_and_decode_loaded_prefill_kv(apps, stream)
     d = engine_stats("DecodeServer", reply.kvturn["decode_replica"])
     assert d["prompt_tokens_external"] >= reply.usage["prompt_tokens"] - apps["pd"].block_size
     assert d["prompt_tokens_computed"] <= d["requests"] * apps["pd"].block_size + 8
+    # Its steps while busy: at least one per token of this answer after the first.
+    assert d["engine_busy_steps"] >= len(reply.token_ids) - 1
+    assert 0 < d["engine_busy_step_s"] / d["engine_busy_steps"] < 1.0
 
 
 def test_openai_client_reads_plain_and_streaming(apps):
