@@ -86,11 +86,12 @@ def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str,
 
 def busy_step(before: dict | None, after: dict | None) -> float | None:
     """A role's mean engine step while busy over a level, from its replicas' counters."""
-    if not before or not after:
+    from bench.runner import counter_delta
+
+    added = counter_delta(after, before) if before else None
+    if not added or added["engine_busy_steps"] <= 0:
         return None
-    steps = after.get("engine_busy_steps", 0) - before.get("engine_busy_steps", 0)
-    seconds = after.get("engine_busy_step_s", 0.0) - before.get("engine_busy_step_s", 0.0)
-    return round(seconds / steps, 5) if steps > 0 else None
+    return round(added["engine_busy_step_s"] / added["engine_busy_steps"], 5)
 
 
 def goodput(levels: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -111,18 +111,24 @@ def _engine(args: argparse.Namespace, nixl: bool):
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"backends": ["UCX"], "bidirectional_kv_xfer": True},
         )
-    return LLM(
-        model=args.model,
-        load_format="dummy",
-        dtype="float32",
-        enforce_eager=not args.compiled,
-        max_model_len=_max_model_len(args),
-        block_size=32,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=1 << 30,
-        kv_transfer_config=kv,
-        disable_log_stats=True,
-    )
+    return LLM(**engine_settings(args, _max_model_len(args)), kv_transfer_config=kv)
+
+
+def engine_settings(args: argparse.Namespace, max_model_len: int) -> dict:
+    """The measured engine's vLLM arguments (the fleet study's model settings: random
+    weights in float32, prefix caching, 1 GiB of KV), for `LLM` here and `AsyncLLM` in
+    `bench.prefill_joining`."""
+    return {
+        "model": args.model,
+        "load_format": "dummy",
+        "dtype": "float32",
+        "enforce_eager": not args.compiled,
+        "max_model_len": max_model_len,
+        "block_size": 32,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": 1 << 30,
+        "disable_log_stats": True,
+    }
 
 
 def _measure(args: argparse.Namespace, nixl: bool) -> dict:

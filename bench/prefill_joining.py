@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS
+from bench.prefill_cost import _ints
 
 RESULT = "prefill-joining: "
 
@@ -49,29 +50,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 async def _measure(args: argparse.Namespace) -> list[dict]:
     from vllm import SamplingParams, TokensPrompt
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from bench.prefill_cost import engine_settings
+
     max_len = 12288
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=args.model,
-            load_format="dummy",
-            dtype="float32",
-            enforce_eager=not args.compiled,
-            max_model_len=max_len,
-            block_size=32,
-            enable_prefix_caching=True,
-            kv_cache_memory_bytes=1 << 30,
-            disable_log_stats=True,
-        )
-    )
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_settings(args, max_len)))
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     endless = SamplingParams(max_tokens=max_len - args.history - 64, temperature=0.0, ignore_eos=True)

@@ -85,7 +85,8 @@ def engine_counters(app: str, deployment: str) -> dict[str, Any] | None:
     return total
 
 
-def _delta(after: dict | None, before: dict | None) -> dict[str, int] | None:
+def counter_delta(after: dict | None, before: dict | None) -> dict[str, int] | None:
+    """The `COUNTERS` an engine role added from `before` to `after` (`engine_counters`)."""
     if after is None:
         return None
     before = before or {}
@@ -178,7 +179,7 @@ def run_mode(
         time.sleep(1.0)
         after = {role: engine_counters(app_name, d) for role, d in roles}
         kv_after = asyncio.run(kv_stats(url))
-    engines = {role: d for role in after if (d := _delta(after[role], before[role])) is not None}
+    engines = {role: d for role in after if (d := counter_delta(after[role], before[role])) is not None}
     return ModeRun(
         mode=mode,
         label=mode,

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         assert (shape := profile("fleet").trace) is not None
         levels: list[dict] = []
         ref = reference.read_reference(args.run) if args.run else reference.DOCS_RUN
-        hw = cpu_fleet(read_grid(args.grid)) if args.grid else cpu_fleet()
+        hw = cpu_fleet(read_grid(args.grid) if args.grid else None)
         rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), validate.gpu_case()
         print(validate.format_report(rows, gpu, ref))
         print("\n" + validate.format_levels(levels))
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prof = profile(args.profile)
         assert prof.trace is not None
-        hw = cpu_fleet(read_grid(args.grid)) if args.grid else cpu_fleet()
+        hw = cpu_fleet(read_grid(args.grid) if args.grid else None)
         hw = hw if args.cores is None else replace(hw, cores=args.cores)
         if prof.kv_cache_bytes:  # the fleet-32k profile gives its engines twice the fleet's KV
             hw = replace(hw, kv_blocks=prof.kv_cache_bytes // (hw.kv_bytes_per_token * hw.block_size))

@@ -179,8 +179,10 @@ CPU_HOST_CPU_PER_TURN_S = 0.20
 def cpu_fleet(grid: Grid | None = None) -> Hardware:
     """The fleet study's VM, its engine fitted on the grid of 2026-12-06 (the constants
     above) or on `grid`."""
-    fixed, token_s, attn_s, chunk_ctx_s = fit_prefill(grid.prefill if grid else CPU_PREFILL_GRID)
-    step_s, seq_s, ctx_s = fit_decode(grid.decode if grid else decode_points())
+    prefill_points = grid.prefill if grid else CPU_PREFILL_GRID
+    step_points = grid.decode if grid else decode_points()
+    fixed, token_s, attn_s, chunk_ctx_s = fit_prefill(prefill_points)
+    step_s, seq_s, ctx_s = fit_decode(step_points)
     engine = EngineCost(
         step_s=step_s,
         token_s=token_s,
@@ -194,10 +196,9 @@ def cpu_fleet(grid: Grid | None = None) -> Hardware:
     kv_bytes = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
     doc = "docs/benchmarks.md"
     command = f"`{CPU_GRID_COMMAND}`" + (f" ({grid.source})" if grid else "")
-    prefill_points = grid.prefill if grid else CPU_PREFILL_GRID
     histories = _spread(c for _, c, _ in prefill_points)
     news = _spread(n for n, _, _ in prefill_points)
-    batches = _spread(b for b, _, _ in (grid.decode if grid else decode_points()))
+    batches = _spread(b for b, _, _ in step_points)
     params = (
         Param(
             "step_s",

@@ -138,8 +138,7 @@ def cpu_table(
         row = _row(mode, f"goodput (turns/s) [sim at {at}, measured at {agents}]", good, sim_good, CPU_BAND)
         row["replays"] = (min(g for g, _ in goods), max(g for g, _ in goods))
         rows.append(row)
-        by_agents = [lv["agents"] for lv in runs[0]["levels"]]
-        levels = [_level([run["levels"][i] for run in runs]) for i in range(len(by_agents))]
+        levels = [_level(list(replayed)) for replayed in zip(*(run["levels"] for run in runs), strict=True)]
         for lv in levels:
             if levels_out is not None and (mode, lv["agents"]) in ref.levels:
                 levels_out.append({"mode": mode, "sim": lv, "measured": ref.levels[(mode, lv["agents"])]})
