@@ -1649,3 +1649,23 @@ def test_an_engines_busy_steps_count_only_while_it_has_requests_running():
     counts.busy_step(13.010, running=1)
     assert counts.busy_steps == 3
     assert counts.busy_step_s == pytest.approx(0.008 + 0.012 + 0.010)
+    assert counts.busy_step_seqs == 2 + 0 + 1
+    assert counts.prompt_steps == 0
+
+
+def test_a_step_that_computed_a_prompt_counts_apart_from_those_that_decoded():
+    """`PromptTokenCounts.busy_step`: a step in which a prompt of more than a few computed
+    tokens got its first token is a prompt step; a hand-off whose KV was read (its last
+    token computed) and a decode-only step are not."""
+    from app.engines.wire import PROMPT_STEP_TOKENS, PromptTokenCounts
+
+    counts = PromptTokenCounts()
+    counts.busy_step(1.000, running=1)
+    counts.busy_step(1.050, running=2, prompt_tokens=300)  # a prompt computed here
+    counts.busy_step(1.058, running=2)  # decode only
+    counts.busy_step(1.067, running=3, prompt_tokens=1)  # a hand-off: KV read, 1 token computed
+    counts.busy_step(1.075, running=3, prompt_tokens=PROMPT_STEP_TOKENS)
+    assert counts.busy_steps == 4
+    assert counts.prompt_steps == 1
+    assert counts.prompt_step_s == pytest.approx(0.050)
+    assert counts.busy_step_s - counts.prompt_step_s == pytest.approx(0.008 + 0.009 + 0.008)

@@ -148,7 +148,8 @@ class VLLMEngine:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
                 counts = counts_of()
                 if scheduler_stats is not None:
-                    counts.busy_step(time.monotonic(), scheduler_stats.num_running_reqs)
+                    computed = iteration_stats.prompt_token_stats.computed if iteration_stats else 0
+                    counts.busy_step(time.monotonic(), scheduler_stats.num_running_reqs, computed)
                     counts.kv_cache_usage = scheduler_stats.kv_cache_usage
                     transfers = getattr(scheduler_stats, "kv_connector_stats", None)
                     if isinstance(transfers, dict):

@@ -106,6 +106,9 @@ class EngineServer:
             "kv_reads_after_release": c.reads_after_release,
             "engine_busy_steps": c.busy_steps,
             "engine_busy_step_s": round(c.busy_step_s, 4),
+            "engine_prompt_steps": c.prompt_steps,
+            "engine_prompt_step_s": round(c.prompt_step_s, 4),
+            "engine_busy_step_seqs": c.busy_step_seqs,
             **self._cpu_stats(),
         }
 

@@ -87,6 +87,11 @@ class EngineChunk:
     engine to its first token (for decode in P/D this includes reading the KV it lacks)."""
 
 
+PROMPT_STEP_TOKENS = 16
+"""A step that computed at most this many prompt tokens counts as a decode step: a turn
+whose KV was read from another engine computes its last token or few."""
+
+
 @dataclass
 class PromptTokenCounts:
     """Cumulative prompt-token accounting of one engine, from its scheduler's stats."""
@@ -112,16 +117,30 @@ class PromptTokenCounts:
     busy_steps: int = 0
     busy_step_s: float = 0.0
     """The engine's steps while it had requests running, and their seconds as the replica
-    received them (`busy_step`): `busy_step_s / busy_steps` is its mean step under load."""
+    received them (`busy_step`): `busy_step_s / busy_steps` is its mean step under load.
+    A step that began on an idle engine is none (its time would include the wait)."""
+    prompt_steps: int = 0
+    prompt_step_s: float = 0.0
+    """Of those, the steps in which a prompt of more than `PROMPT_STEP_TOKENS` computed
+    tokens got its first token (vLLM counts a prompt's tokens at that step; earlier chunks
+    of a long one count as decode steps). The rest decoded, or took in KV read from
+    another engine."""
+    busy_step_seqs: int = 0
+    """The requests running at each of those steps, summed: over `busy_steps`, the mean batch."""
     _last_step: float | None = field(default=None, repr=False, compare=False)
 
-    def busy_step(self, now: float, running: int) -> None:
+    def busy_step(self, now: float, running: int, prompt_tokens: int = 0) -> None:
         """A step's outputs reached the replica at `now` (monotonic seconds) with `running`
-        requests scheduled: the time since the previous step counts as one step, if the
-        engine had requests running then too (an idle engine's wait is no step)."""
+        requests scheduled, after computing `prompt_tokens` prompt tokens: the time since
+        the previous step counts as one step, if the engine had requests running then too
+        (an idle engine's wait is no step)."""
         if self._last_step is not None:
             self.busy_steps += 1
             self.busy_step_s += now - self._last_step
+            self.busy_step_seqs += running
+            if prompt_tokens > PROMPT_STEP_TOKENS:
+                self.prompt_steps += 1
+                self.prompt_step_s += now - self._last_step
         self._last_step = now if running > 0 else None
 
     def add_transfers(self, stats: dict) -> None:

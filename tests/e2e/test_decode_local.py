@@ -77,6 +77,10 @@ def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
     assert len(r1.prompt_token_ids) > LIMIT
     p1, d1 = _stats()
     assert delta(p1, p0)["prompt_tokens_total"] == len(r1.prompt_token_ids)
+    # Decode read the prompt's KV: no step of its computed a prompt; a step per token.
+    d = delta(d1, d0)
+    assert d["engine_prompt_steps"] == 0, d
+    assert len(r1.token_ids) - 1 <= d["engine_busy_steps"] <= len(r1.token_ids) + 2, d
     assert r1.token_ids == reference_tokens(apps["url"], r1.prompt_token_ids, len(r1.token_ids))
     history = len(r1.prompt_token_ids) + len(r1.token_ids) - 1
 
@@ -91,6 +95,11 @@ def test_short_turns_stay_on_decode_and_long_ones_pull_the_history(apps, loc):
     assert d["prompt_tokens_local_hit"] >= history - block, (d, history)
     assert d["prompt_tokens_computed"] <= new_tokens + block, (d, new_tokens)
     assert d["prompt_tokens_external"] == 0 and d["kv_transfers"] == 0
+    # Its steps: one a token. The step that computed its prompt began on an idle engine,
+    # so it is no busy step (its time would include the wait).
+    assert d["engine_prompt_steps"] == 0, d
+    assert len(r2.token_ids) - 1 <= d["engine_busy_steps"] <= len(r2.token_ids) + 2, d
+    assert d["engine_busy_step_seqs"] <= d["engine_busy_steps"], d  # one sequence ran
     assert r2.usage["prompt_tokens_details"]["cached_tokens"] == d["prompt_tokens_local_hit"]
     assert r2.kvturn["reused_from_decode"] == 0 and "prefill_s" not in r2.kvturn["timings"]
     assert r2.token_ids == reference_tokens(apps["url"], r2.prompt_token_ids, len(r2.token_ids))
