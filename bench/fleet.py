@@ -84,14 +84,30 @@ def level_stats(records: list[TurnRecord], wall_s: float, slo: SLO) -> dict[str,
     }
 
 
-def busy_step(before: dict | None, after: dict | None) -> float | None:
-    """A role's mean engine step while busy over a level, from its replicas' counters."""
+def busy_steps(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """A role's engine steps while busy over a level, from its replicas' counters."""
     from bench.runner import counter_delta
 
     added = counter_delta(after, before) if before else None
-    if not added or added["engine_busy_steps"] <= 0:
+    return step_figures(added) if added else None
+
+
+def step_figures(added: dict[str, Any]) -> dict[str, Any] | None:
+    """From an engine role's step counters over a level (`engine_busy_steps` and its
+    siblings, as `bench.runner.COUNTERS` names them): its mean step, its mean step that
+    only decoded and its mean step that computed a prompt (seconds), the share of the
+    latter, and the mean batch. The simulation's engines report the same counters."""
+    steps, prompts = added["engine_busy_steps"], added["engine_prompt_steps"]
+    if steps <= 0:
         return None
-    return round(added["engine_busy_step_s"] / added["engine_busy_steps"], 5)
+    total, prompt_s = added["engine_busy_step_s"], added["engine_prompt_step_s"]
+    return {
+        "mean_s": round(total / steps, 5),
+        "decode_s": round((total - prompt_s) / (steps - prompts), 5) if steps > prompts else None,
+        "prompt_s": round(prompt_s / prompts, 5) if prompts else None,
+        "prompt_share": round(prompts / steps, 3),
+        "batch": round(added["engine_busy_step_seqs"] / steps, 2),
+    }
 
 
 def goodput(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -185,7 +201,7 @@ def run_mode(
                 "agents": agents,
                 **level_stats(records, wall, slo),
                 "engine_tokens_computed": computed,
-                "engine_step_s": {r: busy_step(before[r], after[r]) for r in roles},
+                "engine_steps": {r: busy_steps(before[r], after[r]) for r in roles},
                 "buckets": buckets(records, long_tools),
                 "long_tool_hops": long_tool_hops(records, long_tools),
                 "placements": placements(records),

@@ -36,6 +36,9 @@ COUNTERS = (
     "kv_failed_transfers",
     "engine_busy_steps",
     "engine_busy_step_s",
+    "engine_prompt_steps",
+    "engine_prompt_step_s",
+    "engine_busy_step_seqs",
 )
 
 

@@ -359,3 +359,21 @@ def test_a_prompt_joining_streams_waits_for_the_step_in_progress_then_takes_one_
     decode = cost.step(4, 4 * 2048)
     with_streams = simulated(4, 2048, 256)
     assert alone < with_streams <= decode + cost.step(4, 4 * 2048, [(256, 2048)]) + 1e-9
+
+
+@pytest.mark.parametrize("macro", [True, False])
+def test_the_engine_counts_its_busy_steps_as_the_apps_replicas_do(macro):
+    """`EngineStats.loaded_steps` and its siblings, as `PromptTokenCounts.busy_step`: a step
+    that began on an idle engine (the first prompt's) is none; a prompt that joins a
+    streaming engine is a prompt step; every decode step of a stream is a busy step."""
+    first, joining = Job(200, 0, 10), Job(300, 0, 5)
+    engine, _ = _run([(0.0, first), (0.001, joining)], macro=macro)
+    st = engine.stats
+    # 10 steps: the first prompt's (not counted), then the first stream's 9 decode steps,
+    # the first of which also computes the joining prompt.
+    assert (st.steps, st.loaded_steps, st.prompt_steps) == (10, 9, 1)
+    assert st.prompt_s == pytest.approx(COST.step(1, 200, [(300, 0)]))
+    assert st.loaded_s == pytest.approx(st.busy_s - COST.step(0, 0, [(200, 0)]))
+    # Sequences running at the end of each counted step: both streams for 4 steps, the
+    # first alone for 4, none after the last.
+    assert st.step_seqs == 2 * 4 + 1 * 4 + 0

@@ -99,6 +99,35 @@ def test_reuse_computes_less_than_oneway():
 def test_bidir_pd_never_computes_on_decode():
     _, run = _run("bidir-pd", SHAPE.generate())
     assert {t.route for t in run.turns} <= {"prefill", "prefill-recompute"}
+    # Its decode engine's steps only decode; dp's engines compute prompts between streams.
+    decode = run.engine_steps["DecodeServer"]
+    assert decode is not None and decode["prompt_share"] == 0 and decode["prompt_s"] is None
+    _, dp = _run("dp", SHAPE.generate(), decode=2)
+    assert set(dp.engine_steps) == {"DecodeServer"}
+    steps = dp.engine_steps["DecodeServer"]
+    assert steps is not None and 0 < steps["prompt_share"] < 1 and steps["prompt_s"] > steps["decode_s"]
+
+
+def test_a_roles_steps_are_figured_from_the_counters_the_apps_replicas_report():
+    """`bench.fleet.step_figures`: what the study prints per role and level, from the
+    counters the app's replicas report and the simulation's engines keep alike."""
+    from bench.fleet import step_figures
+
+    counters = {
+        "engine_busy_steps": 100,
+        "engine_busy_step_s": 1.4,
+        "engine_prompt_steps": 4,
+        "engine_prompt_step_s": 0.44,
+        "engine_busy_step_seqs": 250,
+    }
+    assert step_figures(counters) == {
+        "mean_s": 0.014,
+        "decode_s": 0.01,
+        "prompt_s": 0.11,
+        "prompt_share": 0.04,
+        "batch": 2.5,
+    }
+    assert step_figures({**counters, "engine_busy_steps": 0}) is None
 
 
 def test_pins_stay_within_the_apps_budget():
@@ -460,7 +489,17 @@ def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(
     }
     run = tmp_path / "fleet.json"
     run.write_text(json.dumps({"modes": modes}))
+    steps = {"DecodeServer": {"mean_s": 0.012, "decode_s": 0.01, "prompt_s": 0.1, "prompt_share": 0.02}}
+    modes["dp"]["levels"][0]["engine_steps"] = steps
+    run.write_text(json.dumps({"modes": modes}))
     ref = read_reference(str(run))
+    assert ref.steps == {("dp", 4): steps}
+    from bench.sim.validate import format_steps
+
+    sim = {"agents": 4, "engine_steps": {"DecodeServer": {"mean_s": 0.01, "decode_s": 0.008}}}
+    table = format_steps([{"mode": "dp", "sim": sim, "measured_steps": steps}])
+    assert "| dp | 4 | decode | 12.0 / 10.0 | 10.0 / 8.0 | 100.0 / - | 0.02 / - | - / - |" in table
+    assert format_steps([{"mode": "dp", "sim": sim, "measured_steps": None}]) == ""
     assert ref.goodput == {"dp": (1.6, 4), "bidir": (2.3, 8)}
     assert ref.ttft_p50["bidir"] == pytest.approx((0.1, 0.2, 0.3, 0.4))
     assert ref.levels[("dp", 8)] == (2.2, 0.5, 0.07) and ref.placement == "priced"
@@ -523,3 +562,47 @@ def test_a_turns_engine_time_is_its_engines_part_of_the_first_token():
     assert turn.engine_s == pytest.approx(hw.engine.step(0, 0, [(300, 0)]))  # one step of its 300 tokens
     assert 0 < turn.engine_s < turn.ttft_s
     assert turn.ttft_s - turn.engine_s >= hw.ingress_s + hw.hop_s + hw.leg_s
+
+
+def test_the_step_waits_fitted_on_a_run_bring_the_simulated_steps_to_the_measured(tmp_path):
+    """`bench.sim.stepwait.fit`: the wait per decode step, dp's engines apart from the P/D
+    engines, is the measured decode-only step less the simulated one at no wait; with it
+    the simulated steps come out at the measured."""
+    import json
+
+    from bench.sim import stepwait
+
+    def write(decode_s):
+        modes = {
+            mode: {
+                "goodput": {"agents": 4, "turns_per_s": 1.0},
+                "levels": [
+                    {
+                        "agents": 4,
+                        "turns_per_s": 1.0,
+                        "ttft_p90_s": 0.5,
+                        "itl_p99_s": 0.03,
+                        "buckets": {},
+                        "placements": {"later": 1} if mode != "dp" else {},
+                        "engine_steps": {"DecodeServer": {"decode_s": decode_s[mode]}},
+                    }
+                ],
+            }
+            for mode in ("dp", "bidir-pd")
+        }
+        path = tmp_path / "steps.json"
+        path.write_text(json.dumps({"modes": modes}))
+        return str(path)
+
+    hw = cpu_fleet()
+    at_none = stepwait.fit(write({"dp": 1e-6, "bidir-pd": 1e-6}), SHAPE, hw, replays=1)
+    assert (at_none.plain_s, at_none.nixl_s) == (0.0, 0.0)  # measured faster: no wait
+    sim = {r["mode"]: r["sim_s"] for r in at_none.rows if r["agents"] == 4}
+    waits = stepwait.fit(write({"dp": sim["dp"] + 0.002, "bidir-pd": sim["bidir-pd"] + 0.005}), SHAPE, hw, 1)
+    assert waits.plain_s == pytest.approx(0.002) and waits.nixl_s == pytest.approx(0.005)
+    # Applied, the simulated decode-only steps come out near the measured.
+    for mode, wait in (("dp", 0.002), ("bidir-pd", 0.005)):
+        fleet = Fleet(FleetSpec(mode, waits.apply(hw), decode=2 if mode == "dp" else 1))
+        fleet.run(warmup_trace(SHAPE))
+        run = fleet.run(level_trace(SHAPE, 4), concurrency=4)
+        assert run.engine_steps["DecodeServer"]["decode_s"] == pytest.approx(sim[mode] + wait, rel=0.15)

@@ -1,6 +1,7 @@
 """`python -m bench.sim`: the simulated fleet.
 
 python -m bench.sim --validate          # simulated vs measured (CPU fleet study, Qwen3-32B case)
+python -m bench.sim --validate --run RUN.json --grid GRID.json --steps OTHER_RUN.json   # any day's
 python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
 python -m bench.sim --params            # every parameter with its source
 python -m bench.sim --jitter results/fleet.json   # the serving path's ITL jitter in a study's run
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--validate, --study: the CPU engine fitted on this bench.prefill_cost --grid file "
         "(the VM and day of --run) instead of the docs' grid",
     )
+    p.add_argument(
+        "--steps",
+        metavar="FILE",
+        help="--validate: the engines' step waits fitted on this fleet study's results (bench --out; "
+        "another run than --run, beside the same grid)",
+    )
     p.add_argument("--trace", help="a JSONL trace (bench.traces format) to run on one fleet")
     p.add_argument("--mode", default="bidir", choices=MODES)
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
@@ -96,9 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         levels: list[dict] = []
         ref = reference.read_reference(args.run) if args.run else reference.DOCS_RUN
         hw = cpu_fleet(read_grid(args.grid) if args.grid else None)
+        if args.steps:
+            from bench.sim import stepwait
+
+            waits = stepwait.fit(args.steps, shape, hw)
+            print(stepwait.format_fit(waits) + "\n")
+            hw = waits.apply(hw)
+            out["step_waits"] = {"dp_s": waits.plain_s, "pd_s": waits.nixl_s, "rows": waits.rows}
         rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), validate.gpu_case()
         print(validate.format_report(rows, gpu, ref))
         print("\n" + validate.format_levels(levels))
+        if steps := validate.format_steps(levels):
+            print("\n" + steps)
         out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu}
     if args.project:
         from bench.fleet import SLO

@@ -46,6 +46,7 @@ from typing import Any
 
 import simpy
 
+from app.engines.wire import PROMPT_STEP_TOKENS
 from bench.sim.costs import EngineCost, blocks
 
 
@@ -141,6 +142,16 @@ class EngineStats:
     itl: list[tuple[float, int]] = field(default_factory=list)
     """(step seconds, sequences that had a token before the step and got one in it)."""
     peak_blocks: int = 0
+    loaded_steps: int = 0
+    loaded_s: float = 0.0
+    """The steps that began with sequences running, as the app's replicas count busy steps
+    (`PromptTokenCounts.busy_step`: a step that began on an idle engine is none)."""
+    prompt_steps: int = 0
+    prompt_s: float = 0.0
+    """Of those, the steps in which a prompt of more than `PROMPT_STEP_TOKENS` computed
+    tokens got its first token (`PromptTokenCounts.prompt_steps`)."""
+    step_seqs: int = 0
+    """The sequences running at the end of each of those steps, summed (`busy_step_seqs`)."""
 
 
 class Engine:
@@ -156,9 +167,12 @@ class Engine:
         request_chunk: int = 0,
         macro_steps: bool = True,
         cpu: HostCpu | None = None,
+        step_wait_s: float = 0.0,
     ):
         self.env = env
         self.cpu = cpu
+        self.step_wait_s = step_wait_s
+        """Added to every step, beyond its compute (`Hardware.step_wait_s`)."""
         if cpu is not None:
             cpu.engines.append(self)
         self.macro_steps = macro_steps
@@ -283,6 +297,7 @@ class Engine:
                     len(self._running), self._ctx, [(n, job.context - job.left) for job, n in chunks]
                 )
                 * self._stretch()
+                + self.step_wait_s
             )
             yield self.env.timeout(dt)
             self._after_step(dt, waited, joined, chunks)
@@ -293,7 +308,8 @@ class Engine:
         joins at the end of the step in progress, as it would step by step."""
         batch, ctx = len(self._running), self._ctx
         f = self._stretch()
-        a, d = (self.cost.step_s + self.cost.decode_seq_s * batch) * f, self.cost.decode_ctx_s * f
+        a = (self.cost.step_s + self.cost.decode_seq_s * batch) * f + self.step_wait_s
+        d = self.cost.decode_ctx_s * f
         k = max(1, self._finish[0][0] - self._step)
 
         def elapsed(m: int) -> float:  # seconds of the stretch's first m steps
@@ -329,10 +345,13 @@ class Engine:
         self._step += m
         st.steps += m
         st.busy_s += seconds
+        st.loaded_steps += m
+        st.loaded_s += seconds
         st.decoded_tokens += batch * m
         st.itl.append((seconds / m, batch * m))
         self._ctx += batch * m
         self._finished()
+        st.step_seqs += batch * (m - 1) + len(self._running)
 
     def _join(self, job: Job) -> None:
         self._blocks += blocks(job.context + job.answer, self.block_size)
@@ -374,6 +393,13 @@ class Engine:
                 else:
                     job.done.succeed()
         self._finished()
+        if waited:
+            st.loaded_steps += 1
+            st.loaded_s += dt
+            st.step_seqs += len(self._running)
+            if any(job.left == 0 and job.new > PROMPT_STEP_TOKENS for job, _ in chunks):
+                st.prompt_steps += 1
+                st.prompt_s += dt
 
     def _finished(self) -> None:
         while self._finish and self._finish[0][0] <= self._step:

@@ -31,6 +31,7 @@ from typing import Any
 
 import simpy
 
+from bench.fleet import step_figures
 from bench.sim import policy
 from bench.sim.costs import jittered
 from bench.sim.engine import Engine, HostCpu, Job
@@ -99,6 +100,8 @@ class RunResult:
     """The placement's decisions by reason (`app.turn.placement.Reason`)."""
     aborted: bool = False
     """Stopped once too many turns missed the TTFT bound for its quantile to hold."""
+    engine_steps: dict[str, dict | None] = field(default_factory=dict)
+    """Per engine role, as the app names it: its steps while busy (`bench.fleet.step_figures`)."""
 
     @property
     def wall_s(self) -> float:
@@ -143,9 +146,13 @@ class Fleet:
         self.placement = policy.PlacementState(clock, self.transfer, decode_chunk, hw.itl_jitter)
         self.cpu = HostCpu(self.env, hw.cores, hw.host_cpu_per_turn_s) if hw.cores else None
         prefill = 0 if spec.mode == "dp" else spec.prefill
-        self.prefill = [Engine(self.env, cost, f"p{i}", hw.block_size, cpu=self.cpu) for i in range(prefill)]
+        wait = hw.step_wait_s if spec.mode == "dp" else hw.step_wait_nixl_s  # P/D engines: the connector
+        self.prefill = [
+            Engine(self.env, cost, f"p{i}", hw.block_size, cpu=self.cpu, step_wait_s=wait)
+            for i in range(prefill)
+        ]
         self.decode = [
-            Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk, cpu=self.cpu)
+            Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk, cpu=self.cpu, step_wait_s=wait)
             for i in range(spec.decode)
         ]
         if spec.mode != "dp":
@@ -212,6 +219,7 @@ class Fleet:
         self._result = result = RunResult(start_s=self.env.now)
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
+        steps_from = {e.name: _step_counters([e]) for e in engines}
         computed_from = sum(e.stats.computed_tokens for e in engines)
         placed_from = self.placement.placed.copy()
         self._bound, self._late, self._abort = bound, 0, self.env.event()
@@ -223,6 +231,11 @@ class Fleet:
         result.itl = jittered(steps, self.spec.hw.itl_jitter)
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
         result.placements = dict(sorted((self.placement.placed - placed_from).items()))
+        for role, group in (("PrefillServer", self.prefill), ("DecodeServer", self.decode)):
+            if group:
+                now = _step_counters(group)
+                before = {k: sum(steps_from[e.name][k] for e in group) for k in now}
+                result.engine_steps[role] = step_figures({k: now[k] - before[k] for k in now})
         return result
 
     def _session(self, s: TraceSession, offset: float, slots: simpy.Resource | None = None) -> TurnProcess:
@@ -395,3 +408,14 @@ class Fleet:
 
     def _outputs_of(self, replica: str) -> Callable[[Sequence[float], int], None]:
         return lambda gaps, count: self.placement.outputs(replica, gaps, count)
+
+
+def _step_counters(engines: list[Engine]) -> dict[str, float]:
+    """`engines`' step counters under the names the app's replicas report them."""
+    return {
+        "engine_busy_steps": sum(e.stats.loaded_steps for e in engines),
+        "engine_busy_step_s": sum(e.stats.loaded_s for e in engines),
+        "engine_prompt_steps": sum(e.stats.prompt_steps for e in engines),
+        "engine_prompt_step_s": sum(e.stats.prompt_s for e in engines),
+        "engine_busy_step_seqs": sum(e.stats.step_seqs for e in engines),
+    }

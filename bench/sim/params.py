@@ -17,7 +17,7 @@ Two hardware sets:
   to the published one-way TTFT (`bench.sim.validate`).
 
 `Param` rows (name, value, source, the projection it moves most) are what
-`python -m bench.sim --params` prints and docs/benchmarks.md lists.
+`python -m bench.sim --params` prints and docs/simulation.md lists.
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ class Hardware:
     itl_jitter: Jitter = ()
     """How an output's gap at the client spreads around its engine's step (`costs.Jitter`);
     the ingress sees the same. Empty: not at all (GPU: no figure)."""
+    step_wait_s: float = 0.0
+    """What every engine step takes in the fleet beyond its compute, for engines without
+    the NixlConnector (dp's): the step loop's hand-offs between processes on shared cores,
+    which an engine alone (the grid) does not wait for (0 on GPU: no figure)."""
+    step_wait_nixl_s: float = 0.0
+    """The same for the P/D engines, which run the NixlConnector."""
 
 
 # -- the CPU fleet study's VM ------------------------------------------------------------
@@ -281,6 +287,14 @@ def cpu_fleet(grid: Grid | None = None) -> Hardware:
             "the fleet study's client gaps over their stream's median (`python -m bench --profile fleet "
             "--modes dp,bidir,bidir-pd --level-sessions 3`, 2026-12-06, bidir-pd at 4 agents)",
             "ITL p99 at 4-8 agents",
+        ),
+        Param(
+            "step wait",
+            "none (dp's engines and the P/D engines' apart, with --steps)",
+            "`python -m bench.sim --validate --run RUN --grid GRID --steps OTHER_RUN` fits them on "
+            "another run's decode steps beside that day's grid (`bench.sim.stepwait`; 2026-12-07: "
+            "3.0 and 5.6 ms)",
+            "ITL p99 and the meets at 4-8 agents",
         ),
         Param("cores", "2", "the VM's", "ITL p99 and goodput at 16+ agents"),
         Param(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 MEASURED_GOODPUT = {"dp": (2.36, 8), "oneway": (1.14, 4), "bidir": (2.35, 8), "bidir-pd": (4.35, 16)}
 """Turns/s at the target and agents there (docs/benchmarks.md fleet study, goodput table)."""
@@ -62,6 +63,9 @@ class Reference:
     """The app's placement rule in that run (`transfer.placement`)."""
     other_runs: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
     """The same TTFT figures in other runs (context: how far the VM moves run to run)."""
+    steps: Mapping[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
+    """Per mode and level, each engine role's steps (`bench.fleet.step_figures`), where
+    the run recorded them."""
 
 
 DOCS_RUN = Reference(
@@ -83,6 +87,7 @@ def read_reference(path: str) -> Reference:
     goodput: dict[str, tuple[float, int]] = {}
     ttft: dict[str, tuple[float | None, ...]] = {}
     levels: dict[tuple[str, int], tuple[float, float, float]] = {}
+    steps: dict[tuple[str, int], Mapping[str, Any]] = {}
     reasons: set[str] = set()
     for mode, result in run["modes"].items():
         best = result.get("goodput") or {}
@@ -90,7 +95,9 @@ def read_reference(path: str) -> Reference:
         for lv in result["levels"]:
             levels[(mode, lv["agents"])] = (lv["turns_per_s"], lv["ttft_p90_s"], lv["itl_p99_s"])
             reasons |= set(lv.get("placements") or {})
+            if lv.get("engine_steps"):
+                steps[(mode, lv["agents"])] = lv["engine_steps"]
             if lv["agents"] == 8:
                 ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
     placement = "static" if reasons & {"busy", "idle"} else "priced"
-    return Reference(path, goodput, ttft, levels, placement)
+    return Reference(path, goodput, ttft, levels, placement, steps=steps)

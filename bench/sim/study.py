@@ -63,6 +63,7 @@ def level_figures(
         "placements": run.placements,
         "peak_pinned_blocks": run.peak_pinned_blocks,
         "store_calls_per_s": round(run.store_calls / wall, 1) if wall else 0.0,
+        "engine_steps": run.engine_steps,
     }
 
 

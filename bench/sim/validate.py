@@ -113,7 +113,46 @@ def _level(levels: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p99_s": statistics.median(itl) if itl else None,
         "meets_slo": 2 * met > len(levels),
         "met": f"{met}/{len(levels)}",
+        "engine_steps": _median_steps([lv.get("engine_steps") or {} for lv in levels]),
     }
+
+
+def _median_steps(replays: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each role's step figures (`bench.fleet.step_figures`), medians over the replays."""
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted({r for steps in replays for r in steps}):
+        figures = [steps[role] for steps in replays if steps.get(role)]
+        keys = {k for f in figures for k in f}
+        out[role] = {
+            k: statistics.median(vals) for k in sorted(keys) if (vals := [f[k] for f in figures if f.get(k)])
+        }
+    return out
+
+
+def format_steps(levels: list[dict[str, Any]]) -> str:
+    """The engines' steps per level, measured / simulated (rows where the run recorded them)."""
+    lines = [
+        "Engine steps while busy (measured / simulated, the replays' medians; ms, share, sequences):",
+        "",
+        "| mode | agents | role | mean | decode only | with a prompt | prompt share | batch |",
+        "| --- | ---: | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in levels:
+        for role, measured in sorted((row.get("measured_steps") or {}).items()):
+            sim = row["sim"]["engine_steps"].get(role) or {}
+            if not measured:
+                continue
+
+            def pair(key: str, scale: float = 1e3, fmt: str = ".1f") -> str:
+                a, b = measured.get(key), sim.get(key)  # noqa: B023  (used at once)
+                return " / ".join("-" if v is None else f"{v * scale:{fmt}}" for v in (a, b))
+
+            lines.append(
+                f"| {row['mode']} | {row['sim']['agents']} | {role.removesuffix('Server').lower()} | "
+                f"{pair('mean_s')} | {pair('decode_s')} | {pair('prompt_s')} | "
+                f"{pair('prompt_share', 1, '.2f')} | {pair('batch', 1, '.1f')} |"
+            )
+    return "\n".join(lines) if len(lines) > 4 else ""
 
 
 def cpu_table(
@@ -141,7 +180,14 @@ def cpu_table(
         levels = [_level(list(replayed)) for replayed in zip(*(run["levels"] for run in runs), strict=True)]
         for lv in levels:
             if levels_out is not None and (mode, lv["agents"]) in ref.levels:
-                levels_out.append({"mode": mode, "sim": lv, "measured": ref.levels[(mode, lv["agents"])]})
+                levels_out.append(
+                    {
+                        "mode": mode,
+                        "sim": lv,
+                        "measured": ref.levels[(mode, lv["agents"])],
+                        "measured_steps": ref.steps.get((mode, lv["agents"])),
+                    }
+                )
         at8 = [next(lv for lv in run["levels"] if lv["agents"] == 8) for run in runs]
         for i, (name, measured) in enumerate(zip(BUCKET_NAMES, ref.ttft_p50.get(mode, ()), strict=False)):
             if measured is None:
