@@ -353,7 +353,7 @@ GPU_STEP_OVERHEAD_S = 0.004
 """Assumption (no published figure used): scheduling and launch cost of one step."""
 GPU_NIXL_LATENCY_S = 0.064
 """Fixed cost of one NIXL read: with EFA bandwidth, a 24k-token pull at TP8 costs 80 ms,
-the middle of the published 30-130 ms transfer cost (NOTES.md, AWS write-up)."""
+the middle of the published 30-130 ms transfer cost (the AWS write-up)."""
 GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default gpu_memory_utilization: the share of HBM for weights and KV."""
 

@@ -8,7 +8,7 @@
    measured run is one interleaving of its turns), and within the band when simulated /
    measured is in [0.8, 1.2]. `--run FILE` and `--grid FILE` compare with another run,
    the engine fitted on its day's grid.
-2. The published Qwen3-32B case (NOTES.md: AWS-authored write-up, 1P1D on two
+2. The published Qwen3-32B case (an AWS-authored write-up: 1P1D on two
    p5en.48xlarge, TP8, vLLM's multi-turn benchmark): TTFT 778 ms one-way against 460 ms
    with the decode->prefill pull at 24k tokens, 1.6x. Both are means over every request
    of vLLM's multi-turn benchmark (benchmarks/multi_turn), so the case is that benchmark
