@@ -1,7 +1,7 @@
 """Agent-trace-shaped workloads: a generator with the published shape parameters, and a
 replay of a conversation trace file.
 
-Published shapes this follows (see docs/benchmarks.md): Codex on SWE-bench Pro traces
+Published shapes this follows: Codex on SWE-bench Pro traces
 (median 33 turns, input:output about 131:1, 94% of prompt tokens cacheable), Claude Code
 sessions with subagents (median about 43 turns, more than 96% cacheable), tool results
 from a few hundred to tens of thousands of tokens, pauses between turns.
