@@ -144,26 +144,6 @@ def test_a_turn_that_stretches_the_steps_spends_the_streams_late_budget():
     assert place(1000, PREFILL, decode(late_budget=-5), LIMITS).local
 
 
-def test_streams_that_will_start_while_a_long_turn_computes_are_priced():
-    """A replica with no stream now, whose streams have started every 0.25 s lately: a
-    1,400-token turn computes 6 chunks of 61 ms (10 ms a step, 0.2 ms a token), 0.37 s in
-    which ~1.5 streams start, each waiting on half the chunks on average: 4 late outputs."""
-    queued = PrefillLoad(0.1 * MS, tokens_in_flight=5000, handoff_s=30 * MS)  # prefill: ~0.67 s
-
-    def idle(budget: int, starts_s: float | None = 0.25) -> DecodeLoad:
-        return DecodeLoad(0.2 * MS, 0, 0, 10 * MS, 0.0, budget, 0.0, starts_s)
-
-    p = place(1400, queued, idle(budget=4), LIMITS)
-    assert p.local and p.reason is Reason.SOONER and p.late_outputs == 4
-    assert p.stream_step_s == pytest.approx((10 + 0.2 * 256) * MS)
-    assert place(1400, queued, idle(budget=3), LIMITS).reason is Reason.ITL
-    # Unmeasured starts, or starts rare enough: nothing to stall, whatever the budget.
-    assert place(1400, queued, idle(budget=-5, starts_s=None), LIMITS).local
-    assert place(1400, queued, idle(budget=0, starts_s=60.0), LIMITS).local
-    # A short turn is one step: a stream that starts within it waits once at most.
-    assert place(250, PREFILL, idle(budget=0), LIMITS).reason is Reason.SHORT
-
-
 def test_a_turn_placed_on_decode_reserves_the_late_outputs_it_will_cause_until_its_first_token():
     from app.turn.pacing import LocalLeg
 
@@ -412,11 +392,6 @@ async def test_streams_are_counted_on_their_replica_while_they_stream():
     assert streams.of("decode-0").seconds_per_token.value is not None
     assert streams.of("decode-0").late.seen == 2  # the gaps between 3 outputs, none late
     assert streams.handoff.value is None  # computed on decode: no hand-off
-    assert streams.of("decode-0").seconds_between_starts.value is None  # one start so far
-    async for _ in clients.decode(request(local_decode_params())):
-        pass
-    between = streams.of("decode-0").seconds_between_starts.value
-    assert between is not None and 0 <= between < 5.0
 
 
 async def test_a_pd_turns_first_output_is_its_hand_off_and_a_broken_stream_is_uncounted():

@@ -295,17 +295,6 @@ class ReplicaStreams:
         self.streams = 0
         self.seconds_per_token = Ewma()
         self.late = LateTokens(itl_target_s, late_fraction)
-        self.seconds_between_starts = Ewma()
-        """Seconds from one stream's first output to the next's there lately (None: fewer
-        than two so far): streams that will start while a prompt takes several steps."""
-        self._last_start: float | None = None
-
-    def started(self, now: float) -> None:
-        """A stream got its first output at `now` (monotonic seconds)."""
-        self.streams += 1
-        if self._last_start is not None:
-            self.seconds_between_starts.observe(max(0.0, now - self._last_start))
-        self._last_start = now
 
 
 class DecodeStreams:
@@ -343,7 +332,7 @@ class DecodeStreams:
                 if last is None:
                     if replica:
                         counted = self.of(replica)
-                        counted.started(now)
+                        counted.streams += 1
                     if _reads_from_prefill(request):
                         self.handoff.observe(now - started)
                     last = now
@@ -399,7 +388,6 @@ def loads(
         cost.fixed,
         streams.late.budget,
         cost.per_context,
-        streams.seconds_between_starts.value,
     )
     return pool, replica
 

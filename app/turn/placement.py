@@ -18,9 +18,7 @@ The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
   chunk while it has any). The costs per token of context (`app.turn.pacing.LegCost`)
   keep a first turn from being priced at the pace of turns over long histories;
 * its streams: each step that computes a chunk of the prompt takes `s + (d + e * c) *
-  min(D + n, C)`. A step past the ITL target makes each stream's next output late, once per chunk:
-  the streams there now, and those that will start while it computes (from the gap between
-  the replica's recent stream starts), for half its chunks on average.
+  min(D + n, C)`. A step past the ITL target makes each stream's next output late, once per chunk.
   The target is a quantile (p99), so a share of the outputs may be late
   (`transfer.itl_late_fraction`): the replica's recent outputs give a budget
   (`app.turn.pacing.LateTokens`), and a turn whose late outputs exceed it goes through
@@ -112,9 +110,6 @@ class DecodeLoad:
     """Outputs of its streams that may still come past the ITL target (`LateTokens.budget`)."""
     seconds_per_context: float = 0.0
     """Seconds per computed token per token of history it attends over."""
-    seconds_between_starts: float | None = None
-    """Seconds between its streams' starts lately (None: unmeasured): the streams that
-    will start there while a turn computes."""
 
 
 @dataclass(frozen=True)
@@ -151,13 +146,9 @@ def place(
     steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
     stream_step = step + ((pace or 0.0) + per_context * context) * chunk
-    # The streams there now wait on each of its steps; those that start meanwhile, on the
-    # steps left (half of them, on average).
-    starting = steps * stream_step / decode.seconds_between_starts if decode.seconds_between_starts else 0.0
     late = 0
-    if decode.streams > 0 or round(starting * steps / 2) > 0:
-        if pace is not None and stream_step > limits.itl_target_s:
-            late = round((decode.streams + starting / 2) * steps)
+    if decode.streams > 0:
+        late = decode.streams * steps if pace is not None and stream_step > limits.itl_target_s else 0
         if decode.late_budget < 0 or late > decode.late_budget:
             return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
     if new_tokens <= limits.short_tokens:
