@@ -219,7 +219,8 @@ class Fleet:
         self._result = result = RunResult(start_s=self.env.now)
         engines = self.prefill + self.decode
         itl_from = {e.name: len(e.stats.itl) for e in engines}
-        steps_from = {e.name: _step_counters([e]) for e in engines}
+        roles = (("PrefillServer", self.prefill), ("DecodeServer", self.decode))
+        steps_from = {role: _step_counters(group) for role, group in roles}
         computed_from = sum(e.stats.computed_tokens for e in engines)
         placed_from = self.placement.placed.copy()
         self._bound, self._late, self._abort = bound, 0, self.env.event()
@@ -231,11 +232,10 @@ class Fleet:
         result.itl = jittered(steps, self.spec.hw.itl_jitter)
         result.computed_tokens = sum(e.stats.computed_tokens for e in engines) - computed_from
         result.placements = dict(sorted((self.placement.placed - placed_from).items()))
-        for role, group in (("PrefillServer", self.prefill), ("DecodeServer", self.decode)):
+        for role, group in roles:
             if group:
                 now = _step_counters(group)
-                before = {k: sum(steps_from[e.name][k] for e in group) for k in now}
-                result.engine_steps[role] = step_figures({k: now[k] - before[k] for k in now})
+                result.engine_steps[role] = step_figures({k: now[k] - steps_from[role][k] for k in now})
         return result
 
     def _session(self, s: TraceSession, offset: float, slots: simpy.Resource | None = None) -> TurnProcess:

@@ -130,29 +130,40 @@ def _median_steps(replays: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def format_steps(levels: list[dict[str, Any]]) -> str:
-    """The engines' steps per level, measured / simulated (rows where the run recorded them)."""
-    lines = [
-        "Engine steps while busy (measured / simulated, the replays' medians; ms, share, sequences):",
-        "",
-        "| mode | agents | role | mean | decode only | with a prompt | prompt share | batch |",
-        "| --- | ---: | --- | --- | --- | --- | --- | --- |",
-    ]
+    """The engines' steps per level, measured / simulated (rows where the run recorded them;
+    empty when it recorded none)."""
+    rows = []
     for row in levels:
         for role, measured in sorted((row.get("measured_steps") or {}).items()):
-            sim = row["sim"]["engine_steps"].get(role) or {}
             if not measured:
                 continue
+            sim = row["sim"]["engine_steps"].get(role) or {}
+            cells = [
+                _pair(measured, sim, "mean_s"),
+                _pair(measured, sim, "decode_s"),
+                _pair(measured, sim, "prompt_s"),
+                _pair(measured, sim, "prompt_share", 1, ".2f"),
+                _pair(measured, sim, "batch", 1, ".1f"),
+            ]
+            name = role.removesuffix("Server").lower()
+            rows.append(f"| {row['mode']} | {row['sim']['agents']} | {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join(
+        [
+            "Engine steps while busy (measured / simulated, the replays' medians; ms, share, sequences):",
+            "",
+            "| mode | agents | role | mean | decode only | with a prompt | prompt share | batch |",
+            "| --- | ---: | --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
 
-            def pair(key: str, scale: float = 1e3, fmt: str = ".1f") -> str:
-                a, b = measured.get(key), sim.get(key)  # noqa: B023  (used at once)
-                return " / ".join("-" if v is None else f"{v * scale:{fmt}}" for v in (a, b))
 
-            lines.append(
-                f"| {row['mode']} | {row['sim']['agents']} | {role.removesuffix('Server').lower()} | "
-                f"{pair('mean_s')} | {pair('decode_s')} | {pair('prompt_s')} | "
-                f"{pair('prompt_share', 1, '.2f')} | {pair('batch', 1, '.1f')} |"
-            )
-    return "\n".join(lines) if len(lines) > 4 else ""
+def _pair(
+    measured: dict[str, Any], sim: dict[str, Any], key: str, scale: float = 1e3, fmt: str = ".1f"
+) -> str:
+    return " / ".join("-" if v is None else f"{v * scale:{fmt}}" for v in (measured.get(key), sim.get(key)))
 
 
 def cpu_table(
