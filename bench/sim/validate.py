@@ -124,7 +124,9 @@ def _median_steps(replays: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         figures = [steps[role] for steps in replays if steps.get(role)]
         keys = {k for f in figures for k in f}
         out[role] = {
-            k: statistics.median(vals) for k in sorted(keys) if (vals := [f[k] for f in figures if f.get(k)])
+            k: statistics.median(vals)
+            for k in sorted(keys)
+            if (vals := [f[k] for f in figures if f.get(k) is not None])
         }
     return out
 
