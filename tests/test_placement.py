@@ -5,6 +5,7 @@ feed it (`app.turn.pacing.DecodeStreams`). No clock is read by the decisions: lo
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -142,6 +143,45 @@ def test_a_turn_that_stretches_the_steps_spends_the_streams_late_budget():
     assert place(250, PREFILL, decode(streams=4, step_ms=30, late_budget=3), LIMITS).reason is Reason.ITL
     # No streams there: nothing to stretch, whatever the budget.
     assert place(1000, PREFILL, decode(late_budget=-5), LIMITS).local
+
+
+def test_streams_that_will_start_while_a_long_turn_computes_are_priced():
+    """A replica with no stream now, where 4 streams a second lately started beside others:
+    a 1,400-token turn computes 6 chunks of 61 ms (10 ms a step, 0.2 ms a token), 0.37 s in
+    which ~1.5 streams start, each waiting on half the chunks on average: 4 late outputs."""
+    queued = PrefillLoad(0.1 * MS, tokens_in_flight=5000, handoff_s=30 * MS)  # prefill: ~0.67 s
+
+    def idle(budget: int, joined_per_s: float = 4.0) -> DecodeLoad:
+        return DecodeLoad(0.2 * MS, 0, 0, 10 * MS, 0.0, budget, 0.0, joined_per_s)
+
+    p = place(1400, queued, idle(budget=4), LIMITS)
+    assert p.local and p.reason is Reason.SOONER and p.late_outputs == 4
+    assert p.stream_step_s == pytest.approx((10 + 0.2 * 256) * MS)
+    assert place(1400, queued, idle(budget=3), LIMITS).reason is Reason.ITL
+    # No start beside others lately, or starts rare enough: nothing to stall, whatever the budget.
+    assert place(1400, queued, idle(budget=-5, joined_per_s=0.0), LIMITS).local
+    assert place(1400, queued, idle(budget=0, joined_per_s=1 / 60), LIMITS).local
+    # A short turn is one step: a stream that starts within it waits once at most.
+    assert place(250, PREFILL, idle(budget=0), LIMITS).reason is Reason.SHORT
+
+
+def test_only_starts_beside_running_streams_count_and_they_age_out():
+    """One client's turns one after another start on an idle replica each time: none counts.
+    Starts beside a running stream do, over the last `JOINED_WINDOW_S` only."""
+    from app.turn.pacing import JOINED_WINDOW_S, ReplicaStreams
+
+    streams = ReplicaStreams()
+    for t in range(5):  # sequential: each stream ends before the next starts
+        streams.started(float(t))
+        streams.streams -= 1
+    assert streams.joined_per_s(5.0) == 0.0
+    streams.started(10.0)
+    streams.started(10.5)  # beside the first
+    streams.started(11.0)  # beside both
+    assert streams.streams == 3
+    assert streams.joined_per_s(11.0) == pytest.approx(2 / JOINED_WINDOW_S)
+    assert streams.joined_per_s(10.5 + JOINED_WINDOW_S + 0.1) == pytest.approx(1 / JOINED_WINDOW_S)
+    assert streams.joined_per_s(11.0 + JOINED_WINDOW_S + 0.1) == 0.0
 
 
 def test_a_turn_placed_on_decode_reserves_the_late_outputs_it_will_cause_until_its_first_token():
@@ -392,6 +432,14 @@ async def test_streams_are_counted_on_their_replica_while_they_stream():
     assert streams.of("decode-0").seconds_per_token.value is not None
     assert streams.of("decode-0").late.seen == 2  # the gaps between 3 outputs, none late
     assert streams.handoff.value is None  # computed on decode: no hand-off
+    assert streams.of("decode-0").joined_per_s(time.monotonic()) == 0.0  # started alone
+    first = clients.decode(request(local_decode_params()))
+    await anext(first)  # a stream streaming ...
+    async for _ in clients.decode(request(local_decode_params())):  # ... and one beside it
+        pass
+    await first.aclose()
+    assert streams.of("decode-0").streams == 0
+    assert streams.of("decode-0").joined_per_s(time.monotonic()) > 0.0
 
 
 async def test_a_pd_turns_first_output_is_its_hand_off_and_a_broken_stream_is_uncounted():

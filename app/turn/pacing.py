@@ -286,6 +286,10 @@ class LateTokens:
         return math.floor(self.fraction * len(self._late)) - self.late - self.reserved
 
 
+JOINED_WINDOW_S = 10.0
+"""The window over which `ReplicaStreams.joined_per_s` counts starts."""
+
+
 class ReplicaStreams:
     """The answers this ingress has streaming on one decode replica (counted from their
     first output to their end), the seconds per token they get lately (the replica's step
@@ -295,6 +299,24 @@ class ReplicaStreams:
         self.streams = 0
         self.seconds_per_token = Ewma()
         self.late = LateTokens(itl_target_s, late_fraction)
+        self._joined: deque[float] = deque()
+        """When streams started there that joined others already streaming (monotonic
+        seconds, the last `JOINED_WINDOW_S`)."""
+
+    def started(self, now: float) -> None:
+        """A stream got its first output at `now` (monotonic seconds)."""
+        if self.streams > 0:
+            self._joined.append(now)
+        self.streams += 1
+
+    def joined_per_s(self, now: float) -> float:
+        """Streams that started there beside others, per second over the last
+        `JOINED_WINDOW_S`: those expected to start while a prompt takes several steps.
+        A start on an idle replica is not counted, so one client's turns sent one after
+        another (each the next one's only stream) are never mistaken for them."""
+        while self._joined and self._joined[0] < now - JOINED_WINDOW_S:
+            self._joined.popleft()
+        return len(self._joined) / JOINED_WINDOW_S
 
 
 class DecodeStreams:
@@ -332,7 +354,7 @@ class DecodeStreams:
                 if last is None:
                     if replica:
                         counted = self.of(replica)
-                        counted.streams += 1
+                        counted.started(now)
                     if _reads_from_prefill(request):
                         self.handoff.observe(now - started)
                     last = now
@@ -370,7 +392,11 @@ def _reads_from_prefill(request: EngineRequest) -> bool:
 
 
 def loads(
-    prefill: LegPace, handoff: Ewma, local: LegPace | None, streams: ReplicaStreams | None
+    prefill: LegPace,
+    handoff: Ewma,
+    local: LegPace | None,
+    streams: ReplicaStreams | None,
+    now: float | None = None,
 ) -> tuple[PrefillLoad, DecodeLoad | None]:
     """What placement reads (`app.turn.placement.place`): the prefill pool's costs, its
     tokens in flight and the hand-off; a decode replica's costs for the turns it computes
@@ -388,6 +414,7 @@ def loads(
         cost.fixed,
         streams.late.budget,
         cost.per_context,
+        streams.joined_per_s(time.monotonic() if now is None else now),
     )
     return pool, replica
 

@@ -18,7 +18,9 @@ The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
   chunk while it has any). The costs per token of context (`app.turn.pacing.LegCost`)
   keep a first turn from being priced at the pace of turns over long histories;
 * its streams: each step that computes a chunk of the prompt takes `s + (d + e * c) *
-  min(D + n, C)`. A step past the ITL target makes each stream's next output late, once per chunk.
+  min(D + n, C)`. A step past the ITL target makes each stream's next output late, once per chunk:
+  the streams there now, and those that will start while it computes (at the rate streams
+  lately started there beside others), for half its chunks on average.
   The target is a quantile (p99), so a share of the outputs may be late
   (`transfer.itl_late_fraction`): the replica's recent outputs give a budget
   (`app.turn.pacing.LateTokens`), and a turn whose late outputs exceed it goes through
@@ -110,6 +112,9 @@ class DecodeLoad:
     """Outputs of its streams that may still come past the ITL target (`LateTokens.budget`)."""
     seconds_per_context: float = 0.0
     """Seconds per computed token per token of history it attends over."""
+    joined_per_s: float = 0.0
+    """Streams that started there beside others lately, per second: those that will start
+    while a turn computes (`app.turn.pacing.ReplicaStreams.joined_per_s`)."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,13 @@ def place(
     steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
     stream_step = step + ((pace or 0.0) + per_context * context) * chunk
+    # The streams there now wait on each of its steps; those that start meanwhile, on the
+    # steps left (half of them, on average).
+    starting = steps * stream_step * decode.joined_per_s
     late = 0
-    if decode.streams > 0:
-        late = decode.streams * steps if pace is not None and stream_step > limits.itl_target_s else 0
+    if decode.streams > 0 or round(starting * steps / 2) > 0:
+        if pace is not None and stream_step > limits.itl_target_s:
+            late = round((decode.streams + starting / 2) * steps)
         if decode.late_budget < 0 or late > decode.late_budget:
             return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
     if new_tokens <= limits.short_tokens:

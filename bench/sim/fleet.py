@@ -402,7 +402,7 @@ class Fleet:
         """The answer streams from `target` (counted in its streams, as `DecodeStreams.stream`
         counts them) until its last token; the gaps between its outputs come from the engine."""
         streams = self.placement.streams.of(target.name)
-        streams.streams += 1
+        streams.started(self.env.now)
         yield job.done
         streams.streams -= 1
 

@@ -101,7 +101,7 @@ class PlacementState:
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
         local, streams = (self.local_pace(replica), self.streams.of(replica)) if replica else (None, None)
-        prefill, decode = pacing.loads(self.prefill, self.handoff, local, streams)
+        prefill, decode = pacing.loads(self.prefill, self.handoff, local, streams, self._clock())
         policy = placement.place if t.placement == "priced" else placement.place_static
         decided = policy(new_tokens, prefill, decode, limits, context)
         self.placed[str(decided.reason)] += 1
