@@ -377,3 +377,15 @@ def test_the_engine_counts_its_busy_steps_as_the_apps_replicas_do(macro):
     # Sequences running at the end of each counted step: both streams for 4 steps, the
     # first alone for 4, none after the last.
     assert st.step_seqs == 2 * 4 + 1 * 4 + 0
+
+
+def test_a_prefill_engine_counts_the_steps_of_a_prompt_in_chunks_as_the_app_does():
+    """A prefill engine's jobs never decode (no answer): a step counts when a prompt was
+    part-computed at its start, as vLLM counts such a request running. 1,200 tokens in
+    chunks of 512: 3 steps, the first on an idle engine; the last gives the first token."""
+    engine, _ = _run([(0.0, Job(1200, 0, 0))])
+    st = engine.stats
+    assert (st.steps, st.loaded_steps, st.prompt_steps) == (3, 2, 1)
+    assert st.prompt_s == pytest.approx(COST.step(0, 0, [(176, 1024)]))
+    # Part-computed at the end of the second step, none at the end of the last.
+    assert st.step_seqs == 1 + 0

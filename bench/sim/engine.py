@@ -144,14 +144,15 @@ class EngineStats:
     peak_blocks: int = 0
     loaded_steps: int = 0
     loaded_s: float = 0.0
-    """The steps that began with sequences running, as the app's replicas count busy steps
+    """The steps that began with requests running (sequences decoding, or a prompt
+    part-computed: a prefill engine's too), as the app's replicas count busy steps
     (`PromptTokenCounts.busy_step`: a step that began on an idle engine is none)."""
     prompt_steps: int = 0
     prompt_s: float = 0.0
     """Of those, the steps in which a prompt of more than `PROMPT_STEP_TOKENS` computed
     tokens got its first token (`PromptTokenCounts.prompt_steps`)."""
     step_seqs: int = 0
-    """The sequences running at the end of each of those steps, summed (`busy_step_seqs`)."""
+    """The requests running at the end of each of those steps, summed (`busy_step_seqs`)."""
 
 
 class Engine:
@@ -281,6 +282,7 @@ class Engine:
                 yield from self._decode_stretch()
                 continue
             waited = len(self._running)
+            loaded = bool(waited) or any(job.left < job.new for job in self._waiting)
             for job in self._joining:
                 self._join(job)
             joined, self._joining = self._joining, []
@@ -300,7 +302,7 @@ class Engine:
                 + self.step_wait_s
             )
             yield self.env.timeout(dt)
-            self._after_step(dt, waited, joined, chunks)
+            self._after_step(dt, waited, joined, chunks, loaded)
 
     def _decode_stretch(self) -> Generator[Any, Any, None]:
         """Steps that only decode, up to the next sequence's end, as one event: step `j`
@@ -362,7 +364,12 @@ class Engine:
         heapq.heappush(self._finish, (finish, key))
         self._ctx += job.context
 
-    def _after_step(self, dt: float, waited: int, joined: list[Job], chunks: list[tuple[Job, int]]) -> None:
+    def _after_step(
+        self, dt: float, waited: int, joined: list[Job], chunks: list[tuple[Job, int]], loaded: bool
+    ) -> None:
+        """A step of `dt` seconds ended: `waited` sequences got an output after waiting on
+        it, `joined` got their first, `chunks` computed; `loaded`: it began with requests
+        running (sequences, or a prompt part-computed), as the app counts a busy step."""
         self._step += 1
         st = self.stats
         st.steps += 1
@@ -393,13 +400,17 @@ class Engine:
                 else:
                     job.done.succeed()
         self._finished()
-        if waited:
+        if loaded:
             st.loaded_steps += 1
             st.loaded_s += dt
-            st.step_seqs += len(self._running)
+            st.step_seqs += self._in_flight()
             if any(job.left == 0 and job.new > PROMPT_STEP_TOKENS for job, _ in chunks):
                 st.prompt_steps += 1
                 st.prompt_s += dt
+
+    def _in_flight(self) -> int:
+        """The requests vLLM would count running now: sequences decoding, and prompts part-computed."""
+        return len(self._running) + sum(1 for job in self._waiting if job.left < job.new)
 
     def _finished(self) -> None:
         while self._finish and self._finish[0][0] <= self._step:
