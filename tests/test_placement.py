@@ -182,6 +182,10 @@ def test_only_starts_beside_running_streams_count_and_they_age_out():
     assert streams.joined_per_s(11.0) == pytest.approx(2 / JOINED_WINDOW_S)
     assert streams.joined_per_s(10.5 + JOINED_WINDOW_S + 0.1) == pytest.approx(1 / JOINED_WINDOW_S)
     assert streams.joined_per_s(11.0 + JOINED_WINDOW_S + 0.1) == 0.0
+    # Never read (a replica no turn is placed on): its starts are still forgotten.
+    for t in range(1000):
+        streams.started(100.0 + t)
+    assert len(streams._joined) <= JOINED_WINDOW_S + 1
 
 
 def test_a_turn_placed_on_decode_reserves_the_late_outputs_it_will_cause_until_its_first_token():

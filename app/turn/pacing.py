@@ -307,6 +307,7 @@ class ReplicaStreams:
         """A stream got its first output at `now` (monotonic seconds)."""
         if self.streams > 0:
             self._joined.append(now)
+            self._forget(now)
         self.streams += 1
 
     def joined_per_s(self, now: float) -> float:
@@ -314,9 +315,14 @@ class ReplicaStreams:
         `JOINED_WINDOW_S`: those expected to start while a prompt takes several steps.
         A start on an idle replica is not counted, so one client's turns sent one after
         another (each the next one's only stream) are never mistaken for them."""
+        self._forget(now)
+        return len(self._joined) / JOINED_WINDOW_S
+
+    def _forget(self, now: float) -> None:
+        """Drop the starts older than the window (here too, not only when read: a replica
+        whose turns are never placed must not keep every start)."""
         while self._joined and self._joined[0] < now - JOINED_WINDOW_S:
             self._joined.popleft()
-        return len(self._joined) / JOINED_WINDOW_S
 
 
 class DecodeStreams:
