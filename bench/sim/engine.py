@@ -282,7 +282,7 @@ class Engine:
                 yield from self._decode_stretch()
                 continue
             waited = len(self._running)
-            loaded = bool(waited) or any(job.left < job.new for job in self._waiting)
+            loaded = self._in_flight() > 0
             for job in self._joining:
                 self._join(job)
             joined, self._joining = self._joining, []
