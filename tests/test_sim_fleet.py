@@ -385,7 +385,7 @@ def test_a_jsonl_trace_runs_from_the_command_line(tmp_path, capsys):
 def test_clients_send_the_benchmarks_way():
     """`run_clients`: every turn of every conversation, in order, one request a client at
     a time, no more conversations open than asked."""
-    from bench.sim.validate import benchmark_trace
+    from bench.sim.published import benchmark_trace
 
     trace = benchmark_trace(first_prompt=3000)
     assert len(trace.sessions) == 24
@@ -449,11 +449,22 @@ def test_the_validation_report_counts_the_band_and_the_runs_range():
         within=False,
         read_latency_to_match_s=0.18,
         read_bandwidth_to_match=2.5e9,
+        read_measured=[
+            {
+                "name": "reads at 4 GB/s",
+                "mfu": 0.7,
+                "oneway_s": 0.778,
+                "pull_s": 0.4,
+                "ratio": 1.95,
+                "within": True,
+            }
+        ],
     )
     report = format_report([inside, outside, far], gpu)
     assert "1 of 3 figures within the band." in report
     assert "1 of the 2 TTFT figures measured in more than one run within +-20% of their range" in report
     assert "| 0.100-0.120 |" in report and "each GPU would read at 2.5 GB/s" in report
+    assert "reads at 4 GB/s: MFU 0.700, one-way 778 ms, pull 400 ms: 1.95x (within the band)" in report
 
 
 def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(tmp_path):

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     out: dict = {}
     if args.params:
-        from bench.sim.validate import fit_mfu
+        from bench.sim.published import fit_mfu
 
         for hw in (cpu_fleet(), gpu_qwen3_32b(tp=2, mfu=fit_mfu())):
             print(f"\n{hw.name}:\n\n| parameter | value | source | moves most |\n| --- | --- | --- | --- |")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {prm.name} | {prm.value} | {prm.source} | {prm.moves} |")
     if args.validate:
         from bench.profiles import profile
-        from bench.sim import reference, validate
+        from bench.sim import published, reference, validate
 
         assert (shape := profile("fleet").trace) is not None
         levels: list[dict] = []
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(stepwait.format_fit(waits) + "\n")
             hw = waits.apply(hw)
             out["step_waits"] = {"dp_s": waits.plain_s, "pd_s": waits.nixl_s, "rows": waits.rows}
-        rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), validate.gpu_case()
+        rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), published.gpu_case()
         print(validate.format_report(rows, gpu, ref))
         print("\n" + validate.format_levels(levels))
         if steps := validate.format_steps(levels):

@@ -33,8 +33,8 @@ from bench.sim.params import (
     Hardware,
     gpu_qwen3_32b,
 )
+from bench.sim.published import fit_mfu
 from bench.sim.study import level_figures, level_trace, warmup_trace
-from bench.sim.validate import fit_mfu
 from bench.traces import TraceShape
 
 GPU_COUNTS = (8, 16, 32, 64)

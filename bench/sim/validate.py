@@ -8,86 +8,24 @@
    measured run is one interleaving of its turns), and within the band when simulated /
    measured is in [0.8, 1.2]. `--run FILE` and `--grid FILE` compare with another run,
    the engine fitted on its day's grid.
-2. The published Qwen3-32B case (an AWS-authored write-up: 1P1D on two
-   p5en.48xlarge, TP8, vLLM's multi-turn benchmark): TTFT 778 ms one-way against 460 ms
-   with the decode->prefill pull at 24k tokens, 1.6x. Both are means over every request
-   of vLLM's multi-turn benchmark (benchmarks/multi_turn), so the case is that benchmark
-   as its README runs it (`--num-clients 2 --max-active-conversations 6`) on its
-   generator's defaults (`generate_multi_turn.json`: 24 conversations of 12-18 messages,
-   user turns of 120-160 tokens, answers of 80-120), with each conversation's first
-   prompt at 24k tokens (the write-up gives no more than "24k": an assumption). The
-   first turn of every conversation computes its whole prompt in both modes. The
-   engines' MFU is fitted to the one-way mean; the pull's mean (and so the ratio) is
-   then predicted. Band: ratio within +-25%.
+2. The published Qwen3-32B case: `bench.sim.published`.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from bench.fleet import goodput
-from bench.sim.fleet import FleetSpec
-from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, cpu_fleet, gpu_qwen3_32b
+from bench.sim import published
+from bench.sim.params import Hardware, cpu_fleet
 from bench.sim.reference import BUCKET_NAMES, DOCS_RUN, Reference
 from bench.sim.study import run_mode, two_engines
-from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
+from bench.traces import TraceShape
 
 CPU_BAND = 0.20
-GPU_BAND = 0.25
-
-GPU_HISTORY_TOKENS = 24_000
-GPU_NEW_TOKENS = 140
-GPU_ANSWER_TOKENS = 100
-PUBLISHED_ONEWAY_S = 0.778
-PUBLISHED_PULL_S = 0.460
-BENCH_CONVERSATIONS = 24
-BENCH_CLIENTS, BENCH_ACTIVE = 2, 6
-"""vLLM benchmarks/multi_turn: the generator's 24 conversations; the README's invocation."""
-
-
-def benchmark_trace(first_prompt: int = GPU_HISTORY_TOKENS, seed: int = 0) -> Trace:
-    """vLLM's multi-turn benchmark's conversations (`generate_multi_turn.json`'s defaults)
-    with a first prompt of `first_prompt` tokens: 12-18 messages (rounded up to even, so
-    6-9 user turns), user turns of 120-160 tokens, answers of 80-120, 500 tokens of
-    common prefix."""
-    rng = random.Random(seed)
-    sessions = []
-    for c in range(BENCH_CONVERSATIONS):
-        messages = rng.randint(12, 18)
-        user_turns = (messages + 1) // 2
-        turns = [TraceTurn("user", first_prompt - 500, rng.randint(80, 120))]
-        turns += [
-            TraceTurn("user", rng.randint(120, 160), rng.randint(80, 120)) for _ in range(user_turns - 1)
-        ]
-        sessions.append(TraceSession(f"c{c}", 0.0, 500, tuple(turns)))
-    return Trace(tuple(sessions), source="vllm-multi-turn-benchmark")
-
-
-def gpu_mean_ttft(
-    mode: str,
-    mfu: float,
-    placement: str = "priced",
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
-    efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
-) -> tuple[float, float]:
-    """(mean TTFT of every request, mean TTFT of the turns after each conversation's
-    first) of the multi-turn benchmark on 1P1D TP8 H200."""
-    from bench.sim.fleet import Fleet
-
-    hw = gpu_qwen3_32b(
-        tp=8, mfu=mfu, nixl_latency_s=nixl_latency_s, efa_bytes_per_s_per_gpu=efa_bytes_per_s_per_gpu
-    )
-    fleet = Fleet(FleetSpec(mode, hw, placement=placement))
-    run = fleet.run_clients(benchmark_trace(), BENCH_CLIENTS, BENCH_ACTIVE)
-    every = [t.ttft_s for t in run.turns]
-    later = [t.ttft_s for t in run.turns if t.turn > 1]
-    return sum(every) / len(every), sum(later) / len(later)
-
 
 REPLAYS = 7
 """Replays of each mode, each level's arrivals jittered (`bench.sim.study.jittered`): a
@@ -229,105 +167,6 @@ def _row(mode: str, figure: str, measured: float, simulated: float | None, band:
     }
 
 
-def _two_turns() -> Trace:
-    first = TraceTurn("user", GPU_HISTORY_TOKENS - 500, GPU_ANSWER_TOKENS)
-    second = TraceTurn("user", GPU_NEW_TOKENS, GPU_ANSWER_TOKENS, pause_s=1.0)
-    return Trace((TraceSession("s0", 0.0, 500, (first, second)),), source="published-case")
-
-
-def gpu_turn2_ttft(mode: str, mfu: float, placement: str = "priced") -> float:
-    """TTFT of the second turn (24k history) of one conversation alone on 1P1D TP8 H200."""
-    from bench.sim.fleet import Fleet
-
-    fleet = Fleet(FleetSpec(mode, gpu_qwen3_32b(tp=8, mfu=mfu), placement=placement))
-    run = fleet.run(_two_turns())
-    return next(t.ttft_s for t in run.turns if t.turn == 2)
-
-
-def _crossing(
-    too_low: Callable[[float], bool], low: float, high: float, steps: int, log: bool = False
-) -> float:
-    """The value in [`low`, `high`] where `too_low` turns false (bisection, `steps` halvings;
-    `log`: on a log scale)."""
-
-    def middle(a: float, b: float) -> float:
-        return (a * b) ** 0.5 if log else (a + b) / 2
-
-    for _ in range(steps):
-        mid = middle(low, high)
-        if too_low(mid):
-            low = mid
-        else:
-            high = mid
-    return middle(low, high)
-
-
-def fit_mfu(target_s: float = PUBLISHED_ONEWAY_S) -> float:
-    """The MFU at which the simulated benchmark's one-way mean TTFT is `target_s` (bisection)."""
-    return _crossing(lambda mfu: gpu_mean_ttft("oneway", mfu)[0] > target_s, 0.05, 1.0, 20)
-
-
-def _pull_ratio(
-    mfu: float,
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
-    efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
-) -> float:
-    """The simulated benchmark's one-way / pull ratio of mean TTFTs over this link."""
-    oneway, pulled = (
-        gpu_mean_ttft(
-            mode, mfu, nixl_latency_s=nixl_latency_s, efa_bytes_per_s_per_gpu=efa_bytes_per_s_per_gpu
-        )[0]
-        for mode in ("oneway", "bidir-pd")
-    )
-    return oneway / pulled
-
-
-def read_latency_to_match(mfu: float, ratio: float) -> float:
-    """The fixed cost of one NIXL read at which the simulated one-way / pull ratio of the
-    benchmark's means is `ratio` (MFU held; bisection)."""
-    return _crossing(lambda latency: _pull_ratio(mfu, nixl_latency_s=latency) > ratio, 0.0, 2.0, 16)
-
-
-def read_bandwidth_to_match(mfu: float, ratio: float) -> float:
-    """The NIXL read bandwidth per GPU (bytes/s) at which the simulated one-way / pull ratio
-    of the benchmark's means is `ratio` (MFU and read latency held; bisection on a log
-    scale). At TP8 each GPU holds one of Qwen3-32B's 8 KV heads, so a read moves one
-    block of one head per layer per descriptor (a few KiB): a link's rate of messages, not
-    its line rate, may bound it."""
-    return _crossing(
-        lambda bandwidth: _pull_ratio(mfu, efa_bytes_per_s_per_gpu=bandwidth) <= ratio,
-        1e8,
-        EFA_BYTES_PER_S_PER_GPU,
-        16,
-        log=True,
-    )
-
-
-def gpu_case() -> dict[str, Any]:
-    mfu = fit_mfu()
-    oneway, oneway_later = gpu_mean_ttft("oneway", mfu)
-    pulled, pulled_later = gpu_mean_ttft("bidir-pd", mfu)
-    default, default_later = gpu_mean_ttft("bidir", mfu)
-    ratio = oneway / pulled
-    published = PUBLISHED_ONEWAY_S / PUBLISHED_PULL_S
-    return {
-        "mfu": mfu,
-        "oneway_s": oneway,
-        "pull_s": pulled,
-        "default_s": default,
-        "oneway_later_s": oneway_later,
-        "pull_later_s": pulled_later,
-        "default_later_s": default_later,
-        "alone_oneway_s": gpu_turn2_ttft("oneway", mfu),
-        "alone_pull_s": gpu_turn2_ttft("bidir-pd", mfu),
-        "ratio": ratio,
-        "published_ratio": published,
-        "within": abs(ratio / published - 1.0) <= GPU_BAND,
-        "read_latency_to_match_s": read_latency_to_match(mfu, published),
-        "read_bandwidth_to_match": read_bandwidth_to_match(mfu, published),
-    }
-
-
 def format_levels(levels: list[dict[str, Any]]) -> str:
     lines = [
         "Per level (context; measured / simulated, the replays' medians and how many met the target):",
@@ -378,26 +217,7 @@ def format_report(rows: list[dict[str, Any]], gpu: dict[str, Any], ref: Referenc
             f"{near} of the {len(ranged)} TTFT figures measured in more than one run within +-20% of "
             "their range (context: how far this VM moves run to run)."
         )
-    lines += [
-        "",
-        "Qwen3-32B, 1P1D TP8 on H200, vLLM's multi-turn benchmark (2 clients, 6 active "
-        "conversations, first prompts of 24k tokens; published means: 778 ms one-way, 460 ms "
-        "with the pull, 1.69x), band +-25%:",
-        f"  MFU fitted to the one-way mean: {gpu['mfu']:.3f}",
-        f"  mean TTFT one-way {gpu['oneway_s'] * 1e3:.0f} ms, pull {gpu['pull_s'] * 1e3:.0f} ms: "
-        f"{gpu['ratio']:.2f}x against {gpu['published_ratio']:.2f}x published "
-        f"({'within' if gpu['within'] else 'OUTSIDE'} the band)",
-        f"  turns after the first: one-way {gpu['oneway_later_s'] * 1e3:.0f} ms, pull "
-        f"{gpu['pull_later_s'] * 1e3:.0f} ms, the app's default placement "
-        f"{gpu['default_later_s'] * 1e3:.0f} ms (mean of every request {gpu['default_s'] * 1e3:.0f} ms)",
-        f"  one conversation alone, its second turn: one-way {gpu['alone_oneway_s'] * 1e3:.0f} ms, "
-        f"pull {gpu['alone_pull_s'] * 1e3:.0f} ms",
-        f"  to match 1.69x, each NIXL read would cost {gpu['read_latency_to_match_s'] * 1e3:.0f} ms "
-        f"of fixed time (modelled: {gpu_qwen3_32b().link.latency_s * 1e3:.0f} ms; the write-up's "
-        "transfer cost is 30-130 ms)",
-        f"  or, its latency held, each GPU would read at {gpu['read_bandwidth_to_match'] / 1e9:.1f} GB/s "
-        f"(modelled: {EFA_BYTES_PER_S_PER_GPU / 1e9:.0f} GB/s, EFA's line rate)",
-    ]
+    lines += ["", published.format_case(gpu)]
     return "\n".join(lines)
 
 
