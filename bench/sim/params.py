@@ -14,7 +14,7 @@ Two hardware sets:
 * `gpu_qwen3_32b(tp, gpu, mfu)`: Qwen3-32B in bf16 on p5en (H200) or p5 (H100) GPUs,
   from the model's published configuration and the GPUs' and EFA's published figures.
   Two figures have no published source and are marked as assumptions; `mfu` is fitted
-  to the published one-way TTFT (`bench.sim.validate`).
+  to the published one-way TTFT (`bench.sim.published`).
 
 `Param` rows (name, value, source, the projection it moves most) are what
 `python -m bench.sim --params` prints and docs/simulation.md lists.
@@ -409,7 +409,7 @@ def gpu_qwen3_32b(
             "MFU",
             f"{mfu:.3f}",
             "fitted to the published one-way mean TTFT 778 ms (vLLM's multi-turn benchmark, "
-            "first prompts of 24k tokens: `bench.sim.validate`)",
+            "first prompts of 24k tokens: `bench.sim.published`)",
             "every TTFT, goodput",
         ),
         Param("EFA", "50 GB/s per GPU", "AWS p5en: 3,200 Gbps per 8 GPUs", "bidir pull time"),
