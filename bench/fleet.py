@@ -13,8 +13,9 @@ level that meets the target, and the number of agents there.
 Reported per mode and level: turns/s, TTFT p50/p90, ITL p99, whether the target holds,
 prompt tokens computed by the engines, CPU seconds by process role (`bench.hostcpu`);
 per mode, TTFT by history bucket and for turns carrying long tool results
-(`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway. A PNG plots turns/s, TTFT p90
-and ITL p99 against agents.
+(`LONG_TOOL_TOKENS`); ratios bidir/dp and bidir/oneway, and bidir's turns against their
+twins in dp by placement (`bench.paired`). A PNG plots turns/s, TTFT p90 and ITL p99
+against agents.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from typing import Any
 from bench.client import kv_stats, run_workload, served_model
 from bench.deploy import LocalCluster, deployed
 from bench.hostcpu import ROLES, cpu_by_role, spent
+from bench.paired import compare, format_rows
 from bench.profiles import Profile
 from bench.record import TurnRecord
-from bench.stats import nearest_rank, ratio
+from bench.stats import BUCKETS, bucket_name, nearest_rank, ratio
 from bench.traces import to_workload
 from bench.workload import TokenCounter, Workload
 
@@ -44,8 +46,6 @@ ARRIVAL_WINDOW_S = 5.0
 running at once, not an arrival rate."""
 LONG_TOOL_TOKENS = 1000
 """A turn whose tool result is at least this long counts as a long tool result."""
-BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 16000), (16000, 1 << 30))
-"""History buckets (prompt tokens) for the per-bucket TTFT table."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,7 @@ def buckets(records: list[TurnRecord], long_tools: set[tuple[int, int]]) -> dict
     out: dict[str, Any] = {}
     for low, high in BUCKETS:
         group = [ttft for r, ttft in ok if low <= (r.prompt_tokens or 0) < high]
-        name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
-        out[name] = {
+        out[bucket_name(low, high)] = {
             "turns": len(group),
             "ttft_p50_s": nearest_rank(group, 0.5),
             "ttft_p90_s": nearest_rank(group, 0.9),
@@ -376,6 +375,8 @@ def markdown(results: dict) -> str:
         for lv in run["levels"]:
             if lv.get("placements"):
                 lines.append(f"\n{mode} at {lv['agents']} agents, placements: {lv['placements']}")
+    if (paired := compare(results))[1]:
+        lines += ["", format_rows(paired[1], "bidir", "dp", paired[0])]
     lines += ["", "Ratios: " + json.dumps(results["ratios"])]
     return "\n".join(lines)
 

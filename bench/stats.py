@@ -5,6 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 16000), (16000, 1 << 30))
+"""History buckets (prompt tokens) for the per-bucket TTFT tables."""
+
+
+def bucket_name(low: int, high: int) -> str:
+    """A history bucket's name in the tables: "2-4k", "16k+"."""
+    return f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
+
 
 def mean(values: Iterable[float]) -> float | None:
     xs = list(values)

@@ -1,0 +1,65 @@
+"""`bench.paired`: one mode's turns against their twins in another, by placement."""
+
+import json
+
+import pytest
+
+from bench.paired import by_reason, compare, format_rows
+
+
+def turn(session, index, ttft, prompt=1500, cached=1000, placement=None, ok=True):
+    return {
+        "session": session,
+        "turn": index,
+        "ok": ok,
+        "ttft_s": ttft,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "placement": placement,
+    }
+
+
+def test_twins_are_paired_by_session_and_turn_and_grouped_by_bucket_and_reason():
+    mine = [
+        turn(0, 1, 0.2, placement="short"),
+        turn(0, 2, 0.6, prompt=2500, cached=2000, placement="itl"),
+        turn(1, 1, 0.3, placement="short"),
+        turn(1, 2, 0.9, prompt=2500, cached=2300, placement="itl"),
+        turn(2, 1, 0.5, placement="short", ok=False),  # failed: left out
+        turn(3, 1, 0.5, placement="short"),  # its twin's prompt differs: left out
+    ]
+    twins = [
+        turn(0, 1, 0.1),
+        turn(0, 2, 0.3, prompt=2500),
+        turn(1, 1, 0.3),
+        turn(1, 2, 0.3, prompt=2500),
+        turn(2, 1, 0.1),
+        turn(3, 1, 0.1, prompt=1400),
+    ]
+    rows = by_reason(mine, twins)
+    groups = [(r["bucket"], r["reason"], r["turns"]) for r in rows]
+    assert groups == [("0-2k", "short", 2), ("2-4k", "itl", 2)]
+    short, itl = rows
+    assert short["ratio_p50"] == pytest.approx(1.5)  # 2.0 and 1.0
+    assert itl["ratio_p50"] == pytest.approx(2.5)  # 2.0 and 3.0
+    assert itl["ttft_p50_s"] == pytest.approx(0.75) and itl["base_p50_s"] == pytest.approx(0.3)
+    assert itl["computed_p50"] == 350  # 500 and 200 tokens computed
+
+
+def test_the_level_is_the_highest_both_met_and_json_keys_read_alike():
+    def level(agents, meets):
+        return {"agents": agents, "meets_slo": meets}
+
+    records = {4: [turn(0, 1, 0.2, placement="short")], 8: [turn(0, 1, 0.4, placement="itl")]}
+    results = {
+        "modes": {
+            "bidir": {"levels": [level(4, True), level(8, True)], "records": records},
+            "dp": {"levels": [level(4, True), level(8, False)], "records": {4: [turn(0, 1, 0.1)], 8: []}},
+        }
+    }
+    agents, rows = compare(results)
+    assert agents == 4 and rows[0]["reason"] == "short" and rows[0]["ratio_p50"] == pytest.approx(2.0)
+    assert compare(json.loads(json.dumps(results))) == (agents, rows)  # keys are strings there
+    assert compare(results, agents=8) == (8, [])  # dp has no turns there
+    assert compare(results, base="oneway") == (None, [])
+    assert "| 0-2k | short | 1 | 2.00 | 0.200 | 0.100 | 500 |" in format_rows(rows, "bidir", "dp", 4)
