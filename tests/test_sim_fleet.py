@@ -617,3 +617,19 @@ def test_the_step_waits_fitted_on_a_run_bring_the_simulated_steps_to_the_measure
         fleet.run(warmup_trace(SHAPE))
         run = fleet.run(level_trace(SHAPE, 4), concurrency=4)
         assert run.engine_steps["DecodeServer"]["decode_s"] == pytest.approx(sim[mode] + wait, rel=0.15)
+
+
+def test_reads_as_measured_elsewhere_price_each_gpus_link_and_keep_the_published_one_way_mean():
+    """`--project --reads measured-rate`: NIXL reads at the rate vLLM RFC #50913 measured
+    (167 MB in 38.7 ms), no fixed cost, the MFU refitted to the published one-way mean."""
+    from bench.sim.published import PUBLISHED_ONEWAY_S, READ_MEASURED, fit_mfu, gpu_mean_ttft, with_reads
+
+    hw = with_reads("measured-rate", tp=8)
+    assert hw.link.latency_s == 0.0
+    assert hw.link.bytes_per_s == pytest.approx(8 * 167e6 / 0.0387)
+    assert "measured-rate" in hw.name
+    _, fixed_s, rate = READ_MEASURED["measured-rate"]
+    mfu = fit_mfu(nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=rate)
+    oneway, _ = gpu_mean_ttft("oneway", mfu, nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=rate)
+    assert oneway == pytest.approx(PUBLISHED_ONEWAY_S, rel=0.01)
+    assert mfu > fit_mfu()  # slower reads leave less of the published mean to compute

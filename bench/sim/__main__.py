@@ -3,6 +3,7 @@
 python -m bench.sim --validate          # simulated vs measured (CPU fleet study, Qwen3-32B case)
 python -m bench.sim --validate --run RUN.json --grid GRID.json --steps OTHER_RUN.json   # any day's
 python -m bench.sim --project           # GPU projections (8-64 GPUs), table and plot
+python -m bench.sim --project --reads measured-rate   # the same, NIXL reads as measured elsewhere
 python -m bench.sim --params            # every parameter with its source
 python -m bench.sim --jitter results/fleet.json   # the serving path's ITL jitter in a study's run
 python -m bench.sim --study --level-sessions 3 [--cores 0]   # the fleet study's dp, default, bidir-pd
@@ -80,9 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100"))
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines (dp: all engines)")
-    p.add_argument("--plot", default="docs/bench-sim.png", help="where --project writes its plot")
+    p.add_argument(
+        "--plot",
+        help="where --project writes its plot (default: docs/bench-sim.png; with --reads, "
+        "results/bench-sim-READS.png)",
+    )
     p.add_argument(
         "--ttft-p90", type=float, help="--project's TTFT p90 target in s (default: the fleet study's)"
+    )
+    p.add_argument(
+        "--reads",
+        choices=("line-rate", "measured-rate", "measured-handoff"),
+        default="line-rate",
+        help="--project: NIXL reads at EFA's line rate (the default) or as vLLM RFC #50913 measured them "
+        "on another cluster (`bench.sim.published.READ_MEASURED`)",
     )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -118,12 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu}
     if args.project:
         from bench.fleet import SLO
-        from bench.sim import project
+        from bench.sim import project, published
 
-        result = project.run(slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None)
+        measured = None if args.reads == "line-rate" else published.with_reads(args.reads, project.TP)
+        result = project.run(hw=measured, slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None)
         print(project.format_table(result))
-        project.plot(result, args.plot)
-        print(f"plot: {args.plot}")
+        plot = args.plot or (
+            "docs/bench-sim.png" if measured is None else f"results/bench-sim-{args.reads}.png"
+        )
+        project.plot(result, plot)
+        print(f"plot: {plot}")
         out["project"] = result
     if args.sensitivity:
         from bench.profiles import profile

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
-from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, gpu_qwen3_32b
+from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, gpu_qwen3_32b
 from bench.traces import Trace, TraceSession, TraceTurn
 
 GPU_BAND = 0.25
@@ -49,13 +50,15 @@ READ_MEASURED_HANDOFF_S = 0.197 - 0.029 - 0.058
 58 ms first-token recompute (the simulated engines step for that): 110 ms of dispatch to
 the workers, completion notices and the router's serial dispatch."""
 READ_MEASURED = {
-    "transfers at the measured 4.3 GB/s": (0.0, READ_MEASURED_BYTES_PER_S),
-    "and 110 ms of hand-off beyond the transfer, each read": (
+    "measured-rate": ("transfers at the measured 4.3 GB/s", 0.0, READ_MEASURED_BYTES_PER_S),
+    "measured-handoff": (
+        "and 110 ms of hand-off beyond the transfer, each read",
         READ_MEASURED_HANDOFF_S,
         READ_MEASURED_BYTES_PER_S,
     ),
 }
-"""Each read priced as vLLM RFC #50913 measured it: (fixed seconds, bytes/s per GPU)."""
+"""Each read priced as vLLM RFC #50913 measured it: (what, fixed seconds, bytes/s per GPU);
+`python -m bench.sim --project --reads KEY` projects with it."""
 
 
 def benchmark_trace(first_prompt: int = GPU_HISTORY_TOKENS, seed: int = 0) -> Trace:
@@ -205,7 +208,7 @@ def gpu_case() -> dict[str, Any]:
         "within": abs(ratio / published - 1.0) <= GPU_BAND,
         "read_latency_to_match_s": read_latency_to_match(mfu, published),
         "read_bandwidth_to_match": read_bandwidth_to_match(mfu, published),
-        "read_measured": [measured_read(name, *link) for name, link in READ_MEASURED.items()],
+        "read_measured": [measured_read(*read) for read in READ_MEASURED.values()],
     }
 
 
@@ -227,6 +230,15 @@ def measured_read(name: str, fixed_s: float, bytes_per_s: float) -> dict[str, An
         "ratio": ratio,
         "within": abs(ratio / published - 1.0) <= GPU_BAND,
     }
+
+
+def with_reads(key: str, tp: int) -> Hardware:
+    """Qwen3-32B engines of `tp` GPUs whose reads cost as `READ_MEASURED[key]` says, the MFU
+    refitted so that the published case's one-way mean stays 778 ms."""
+    _, fixed_s, bytes_per_s = READ_MEASURED[key]
+    mfu = fit_mfu(nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=bytes_per_s)
+    hw = gpu_qwen3_32b(tp=tp, mfu=mfu, nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=bytes_per_s)
+    return replace(hw, name=f"{hw.name}, reads {key} (vLLM RFC #50913)")
 
 
 def format_case(gpu: dict[str, Any]) -> str:
