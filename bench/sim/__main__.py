@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="--study, --trace: one of the app's transfer.* settings, as bench's (repeatable)",
+        help="--study, --project, --trace: one of the app's transfer.* settings, as bench's (repeatable)",
     )
     p.add_argument(
         "--jitter",
@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim import project, published
 
         measured = None if args.reads == "line-rate" else published.with_reads(args.reads, project.TP)
-        result = project.run(hw=measured, slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None)
+        result = project.run(
+            hw=measured,
+            slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None,
+            transfer=tuple(sorted(settings(args.transfer, "--transfer").items())),
+        )
         print(project.format_table(result))
         plot = args.plot or (
             "docs/bench-sim.png" if measured is None else f"results/bench-sim-{args.reads}.png"

@@ -89,7 +89,11 @@ def ramp(spec: FleetSpec, engines: int, slo: SLO) -> dict[str, Any]:
     return {"levels": levels, "best": best}
 
 
-def run(hw: Hardware | None = None, slo: SLO | None = None) -> dict[str, Any]:
+def run(
+    hw: Hardware | None = None, slo: SLO | None = None, transfer: tuple[tuple[str, Any], ...] = ()
+) -> dict[str, Any]:
+    """Every GPU count and mode ramped (`ramp`), the best P:D of each; `transfer`: the app's
+    `transfer.*` settings changed, as `--transfer` changes them."""
     started = time.perf_counter()
     slo = slo or SLO()
     hw = hw or gpu_qwen3_32b(tp=TP, mfu=fit_mfu())
@@ -102,7 +106,7 @@ def run(hw: Hardware | None = None, slo: SLO | None = None) -> dict[str, Any]:
             tried = []
             for prefill in splits:
                 decode = engines if mode == "dp" else engines - prefill
-                spec = FleetSpec(mode, hw, prefill=prefill, decode=decode)
+                spec = FleetSpec(mode, hw, prefill=prefill, decode=decode, transfer=transfer)
                 tried.append({"prefill": prefill, "decode": decode, **ramp(spec, engines, slo)})
             good = [t for t in tried if t["best"]]
             pick = max(good, key=lambda t: t["best"]["turns_per_s"]) if good else tried[0]
