@@ -633,3 +633,61 @@ def test_reads_as_measured_elsewhere_price_each_gpus_link_and_keep_the_published
     oneway, _ = gpu_mean_ttft("oneway", mfu, nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=rate)
     assert oneway == pytest.approx(PUBLISHED_ONEWAY_S, rel=0.01)
     assert mfu > fit_mfu()  # slower reads leave less of the published mean to compute
+
+
+def test_the_engines_spans_are_summarised_alike_from_a_run_and_from_the_simulation(tmp_path):
+    """`--validate --run FILE`: per history bucket at 8 agents, the medians of TTFT, of the
+    prefill and decode engines' spans (`app.api.metrics.turn_hops`) and of the tokens
+    computed, measured from the run's turns and simulated from `TurnResult`s."""
+    import json
+
+    from bench.sim.fleet import RunResult, TurnResult
+    from bench.sim.reference import read_reference
+    from bench.sim.study import hops
+    from bench.sim.validate import _hop_rows, format_hops
+
+    def timings(prefill_engine, decode_engine):
+        t = {"store_s": 0.002, "session_s": 0.003, "decode_engine_s": decode_engine}
+        if prefill_engine is not None:
+            t |= {"prefill_s": 0.01 + prefill_engine, "prefill_engine_s": prefill_engine}
+        return t | {"first_token_s": t.get("prefill_s", 0.003) + decode_engine + 0.01}
+
+    records = [
+        {
+            "ok": True,
+            "ttft_s": 0.30,
+            "prompt_tokens": 1500,
+            "cached_tokens": 1300,
+            "timings": timings(0.2, 0.03),
+        },
+        {
+            "ok": True,
+            "ttft_s": 0.10,
+            "prompt_tokens": 1600,
+            "cached_tokens": 1500,
+            "timings": timings(None, 0.06),
+        },
+        {"ok": False, "ttft_s": None, "prompt_tokens": 1700, "cached_tokens": 0, "timings": {}},
+    ]
+    level = {"agents": 8, "turns_per_s": 2.0, "ttft_p90_s": 0.5, "itl_p99_s": 0.03, "meets_slo": True}
+    level["buckets"] = {n: {"ttft_p50_s": 0.2} for n in ("0-2k", "2-4k", "4-8k", "long_tool")}
+    run = tmp_path / "fleet.json"
+    run.write_text(
+        json.dumps({"modes": {"bidir": {"goodput": None, "levels": [level], "records": {"8": records}}}})
+    )
+    measured = read_reference(str(run)).hops["bidir"]
+    assert measured["0-2k"] == {"ttft": 0.10, "prefill_engine": 0.2, "decode_engine": 0.03, "computed": 100.0}
+    assert measured["2-4k"]["ttft"] is None
+
+    simulated = RunResult(
+        turns=[
+            TurnResult("s", 1, "user", 100, 1500, 150, 0.25, "prefill", 0.0, engine_s=0.02, prefill_s=0.1),
+            TurnResult("s", 2, "user", 100, 1700, 90, 0.08, "local:short", 1.0, engine_s=0.05),
+        ]
+    )
+    sim = hops(simulated)
+    assert sim["0-2k"] == {"ttft": 0.08, "prefill_engine": 0.1, "decode_engine": 0.02, "computed": 90.0}
+    rows = _hop_rows("bidir", measured, [sim, sim])
+    assert [r["bucket"] for r in rows] == ["0-2k"]  # buckets without measured turns are left out
+    assert "| bidir | 0-2k | 0.100 / 0.080 | 0.200 / 0.100 | 0.030 / 0.020 | 100 / 90 |" in format_hops(rows)
+    assert format_hops([]) == ""

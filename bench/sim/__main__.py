@@ -122,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             print(stepwait.format_fit(waits) + "\n")
             hw = waits.apply(hw)
             out["step_waits"] = {"dp_s": waits.plain_s, "pd_s": waits.nixl_s, "rows": waits.rows}
-        rows, gpu = validate.cpu_table(shape, hw, levels_out=levels, ref=ref), published.gpu_case()
+        hops: list[dict] = []
+        rows = validate.cpu_table(shape, hw, levels_out=levels, ref=ref, hops_out=hops)
+        gpu = published.gpu_case()
         print(validate.format_report(rows, gpu, ref))
         print("\n" + validate.format_levels(levels))
-        if steps := validate.format_steps(levels):
-            print("\n" + steps)
-        out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu}
+        for table in (validate.format_steps(levels), validate.format_hops(hops)):
+            if table:
+                print("\n" + table)
+        out["validate"] = {"cpu": rows, "levels": levels, "gpu": gpu, "hops": hops}
     if args.project:
         from bench.fleet import SLO
         from bench.sim import project, published

@@ -84,6 +84,9 @@ class TurnResult:
     """From reaching the engine that streams its answer to that engine's first output (a
     P/D turn's: decode's read and first step), as the app's `*_input_s` + `*_queue_s` +
     `*_compute_s`."""
+    prefill_s: float | None = None
+    """A P/D turn's prefill leg on its engine: from reaching it (the pull included) to its
+    token, as the app's `prefill_engine_s`; None without a prefill leg."""
 
 
 @dataclass
@@ -392,6 +395,7 @@ class Fleet:
         read = hw.link.transfer_s(history, hw.kv_bytes_per_token)
         job = engine.submit(Job(new, history, 0, read_s=read))
         yield job.done
+        record.prefill_s = self.env.now - job.submitted_at
         yield self.env.timeout(self._host_s(hw.leg_s))
         end(new)
         record.computed_tokens = new

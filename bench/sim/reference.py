@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.stats import BUCKETS, bucket_name, nearest_rank
+
 MEASURED_GOODPUT = {"dp": (2.36, 8), "oneway": (1.14, 4), "bidir": (2.35, 8), "bidir-pd": (4.35, 16)}
 """Turns/s at the target and agents there (docs/benchmarks.md fleet study, goodput table)."""
 BUCKET_NAMES = ("0-2k", "2-4k", "4-8k", "long_tool")
@@ -66,6 +68,9 @@ class Reference:
     steps: Mapping[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
     """Per mode and level, each engine role's steps (`bench.fleet.step_figures`), where
     the run recorded them."""
+    hops: Mapping[str, Mapping[str, Mapping[str, float | None]]] = field(default_factory=dict)
+    """Per mode and history bucket at 8 agents, the medians of TTFT, of the engines' spans
+    and of the tokens computed (`bench.sim.study.hops`), where the run kept its turns."""
 
 
 DOCS_RUN = Reference(
@@ -100,4 +105,28 @@ def read_reference(path: str) -> Reference:
             if lv["agents"] == 8:
                 ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
     placement = "static" if reasons & {"busy", "idle"} else "priced"
-    return Reference(path, goodput, ttft, levels, placement, steps=steps)
+    hops = {mode: _hops(result.get("records", {}).get("8") or []) for mode, result in run["modes"].items()}
+    return Reference(path, goodput, ttft, levels, placement, steps=steps, hops=hops)
+
+
+def _hops(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """A level's turns as `bench.sim.study.hops` summarises the simulated ones, from the
+    app's timings (`app.api.metrics.turn_hops`)."""
+    from app.api.metrics import turn_hops
+
+    out: dict[str, dict[str, float | None]] = {}
+    ok = [r for r in records if r["ok"] and r.get("ttft_s") is not None]
+    for low, high in BUCKETS:
+        group = [r for r in ok if low <= r["prompt_tokens"] < high]
+        spans = [turn_hops(r.get("timings") or {}) for r in group]
+
+        def span(name: str, spans: list[dict[str, float]] = spans) -> float | None:
+            return nearest_rank([h[name] for h in spans if name in h], 0.5)
+
+        out[bucket_name(low, high)] = {
+            "ttft": nearest_rank([r["ttft_s"] for r in group], 0.5),
+            "prefill_engine": span("prefill_engine"),
+            "decode_engine": span("decode_engine"),
+            "computed": nearest_rank([float(r["prompt_tokens"] - r["cached_tokens"]) for r in group], 0.5),
+        }
+    return out

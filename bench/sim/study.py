@@ -17,7 +17,7 @@ from typing import Any
 from bench.fleet import ARRIVAL_WINDOW_S, BUCKETS, LEVELS, LONG_TOOL_TOKENS, SLO, goodput
 from bench.sim.fleet import Fleet, FleetSpec, RunResult
 from bench.sim.params import Hardware
-from bench.stats import nearest_rank
+from bench.stats import bucket_name, nearest_rank
 from bench.traces import Trace, TraceShape
 
 
@@ -59,6 +59,7 @@ def level_figures(
         "computed_tokens": run.computed_tokens,
         "meets_slo": meets,
         "buckets": buckets(run, edges, long_tool),
+        "hops": hops(run, edges),
         "routes": _routes(run),
         "placements": run.placements,
         "peak_pinned_blocks": run.peak_pinned_blocks,
@@ -74,9 +75,25 @@ def buckets(
     out: dict[str, Any] = {}
     for low, high in edges:
         group = [t.ttft_s for t in run.turns if low <= t.prompt_tokens < high]
-        name = f"{low // 1000}k+" if high >= 1 << 30 else f"{low // 1000}-{high // 1000}k"
-        out[name] = _ttfts(group)
+        out[bucket_name(low, high)] = _ttfts(group)
     out["long_tool"] = _ttfts([t.ttft_s for t in run.turns if t.kind == "tool" and t.tokens >= long_tool])
+    return out
+
+
+def hops(run: RunResult, edges: tuple[tuple[int, int], ...] = BUCKETS) -> dict[str, dict[str, float | None]]:
+    """Per history bucket, the medians of the turns' TTFT and of their engines' spans, as
+    the app's `turn_hops` names them (`prefill_engine` over the turns that had a prefill
+    leg; `decode_engine`: the engine that streamed the answer), and the turns' new tokens."""
+    out: dict[str, dict[str, float | None]] = {}
+    for low, high in edges:
+        group = [t for t in run.turns if low <= t.prompt_tokens < high]
+        legs = [t.prefill_s for t in group if t.prefill_s is not None]
+        out[bucket_name(low, high)] = {
+            "ttft": nearest_rank([t.ttft_s for t in group], 0.5),
+            "prefill_engine": nearest_rank(legs, 0.5),
+            "decode_engine": nearest_rank([t.engine_s for t in group], 0.5),
+            "computed": nearest_rank([float(t.computed_tokens) for t in group], 0.5),
+        }
     return out
 
 

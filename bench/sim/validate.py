@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -112,6 +113,7 @@ def cpu_table(
     levels_out: list[dict[str, Any]] | None = None,
     ref: Reference = DOCS_RUN,
     replays: int = REPLAYS,
+    hops_out: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of (mode, figure, measured, simulated, ratio, within band) against `ref`, each
     simulated figure the median of `replays` replays (1: the trace as generated, once);
@@ -140,6 +142,8 @@ def cpu_table(
                     }
                 )
         at8 = [next(lv for lv in run["levels"] if lv["agents"] == 8) for run in runs]
+        if hops_out is not None and ref.hops.get(mode):
+            hops_out += _hop_rows(mode, ref.hops[mode], [lv["hops"] for lv in at8])
         for i, (name, measured) in enumerate(zip(BUCKET_NAMES, ref.ttft_p50.get(mode, ()), strict=False)):
             if measured is None:
                 continue
@@ -153,6 +157,48 @@ def cpu_table(
                 row["runs"] = (min([measured, *others]), max([measured, *others]))
             rows.append(row)
     return rows
+
+
+HOP_FIELDS = ("ttft", "prefill_engine", "decode_engine", "computed")
+
+
+def _hop_rows(
+    mode: str, measured: Mapping[str, Mapping[str, float | None]], replays: list[dict[str, dict]]
+) -> list[dict[str, Any]]:
+    """Per bucket with turns: the measured medians (`Reference.hops`) beside the simulated
+    ones, each the median over the replays."""
+    rows = []
+    for bucket, figures in measured.items():
+        if figures.get("ttft") is None:
+            continue
+        sim = {}
+        for name in HOP_FIELDS:
+            values = [r[bucket][name] for r in replays if r.get(bucket, {}).get(name) is not None]
+            sim[name] = statistics.median(values) if values else None
+        rows.append({"mode": mode, "bucket": bucket, "measured": dict(figures), "simulated": sim})
+    return rows
+
+
+def format_hops(rows: list[dict[str, Any]]) -> str:
+    """Where TTFT p50 goes at 8 agents, measured / simulated (empty without rows: the run
+    kept no turns)."""
+    if not rows:
+        return ""
+    lines = [
+        "Where the time to first token goes at 8 agents (medians, measured / simulated; engine "
+        "spans as `app.api.metrics.turn_hops` names them):",
+        "",
+        "| mode | history | TTFT (s) | prefill engine (s) | decode engine (s) | tokens computed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        cells = []
+        for name in HOP_FIELDS:
+            fmt = ".0f" if name == "computed" else ".3f"
+            pair = (r["measured"].get(name), r["simulated"].get(name))
+            cells.append(" / ".join("-" if v is None else f"{v:{fmt}}" for v in pair))
+        lines.append(f"| {r['mode']} | {r['bucket']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _row(mode: str, figure: str, measured: float, simulated: float | None, band: float) -> dict[str, Any]:
