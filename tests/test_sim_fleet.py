@@ -691,3 +691,15 @@ def test_the_engines_spans_are_summarised_alike_from_a_run_and_from_the_simulati
     assert [r["bucket"] for r in rows] == ["0-2k"]  # buckets without measured turns are left out
     assert "| bidir | 0-2k | 0.100 / 0.080 | 0.200 / 0.100 | 0.030 / 0.020 | 100 / 90 |" in format_hops(rows)
     assert format_hops([]) == ""
+
+
+def test_a_reads_cost_is_a_measured_case_or_an_operators_own():
+    """`--project --reads`: a `READ_MEASURED` key, or MS:GBPS from a cluster's own counters."""
+    from bench.sim.published import READ_MEASURED, read_cost
+
+    what, fixed_s, rate = read_cost("20:12")
+    assert (fixed_s, rate) == (pytest.approx(0.020), pytest.approx(12e9)) and "20 ms + 12 GB/s" in what
+    assert read_cost("measured-handoff")[1:] == READ_MEASURED["measured-handoff"][1:]
+    for bad in ("fast", "20", "20:0", "-1:5", "a:b"):
+        with pytest.raises(ValueError):
+            read_cost(bad)

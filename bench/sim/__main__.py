@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--reads",
-        choices=("line-rate", "measured-rate", "measured-handoff"),
         default="line-rate",
-        help="--project: NIXL reads at EFA's line rate (the default) or as vLLM RFC #50913 measured them "
-        "on another cluster (`bench.sim.published.READ_MEASURED`)",
+        help="--project: NIXL reads at EFA's line rate (line-rate, the default), as vLLM RFC #50913 "
+        "measured them on another cluster (measured-rate, measured-handoff), or MS:GBPS, your own: "
+        "a fixed cost per read and one GPU's rate (`bench.sim.published.read_cost`)",
     )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.fleet import SLO
         from bench.sim import project, published
 
-        measured = None if args.reads == "line-rate" else published.with_reads(args.reads, project.TP)
+        try:
+            measured = None if args.reads == "line-rate" else published.with_reads(args.reads, project.TP)
+        except ValueError as e:
+            p.error(str(e))
         result = project.run(
             hw=measured,
             slo=SLO(ttft_p90_s=args.ttft_p90) if args.ttft_p90 else None,
@@ -143,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(project.format_table(result))
         plot = args.plot or (
-            "docs/bench-sim.png" if measured is None else f"results/bench-sim-{args.reads}.png"
+            "docs/bench-sim.png"
+            if measured is None
+            else f"results/bench-sim-{args.reads.replace(':', '-')}.png"
         )
         project.plot(result, plot)
         print(f"plot: {plot}")

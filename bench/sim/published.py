@@ -232,13 +232,31 @@ def measured_read(name: str, fixed_s: float, bytes_per_s: float) -> dict[str, An
     }
 
 
-def with_reads(key: str, tp: int) -> Hardware:
-    """Qwen3-32B engines of `tp` GPUs whose reads cost as `READ_MEASURED[key]` says, the MFU
-    refitted so that the published case's one-way mean stays 778 ms."""
-    _, fixed_s, bytes_per_s = READ_MEASURED[key]
+def read_cost(reads: str) -> tuple[str, float, float]:
+    """(what, fixed seconds, bytes/s per GPU) of a NIXL read: a `READ_MEASURED` key, or
+    "MS:GBPS" for reads measured elsewhere (a fixed cost in milliseconds, and the rate one
+    GPU's reads reach in GB/s: from the app's `ray_kvturn_nixl_transfer_*` counters)."""
+    if reads in READ_MEASURED:
+        _, fixed_s, bytes_per_s = READ_MEASURED[reads]
+        return f"{reads} (vLLM RFC #50913)", fixed_s, bytes_per_s
+    try:
+        ms, gbps = (float(x) for x in reads.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"reads {reads!r}: one of {', '.join(READ_MEASURED)}, or MS:GBPS (e.g. 20:12)"
+        ) from None
+    if ms < 0 or gbps <= 0:
+        raise ValueError(f"reads {reads!r}: a fixed cost >= 0 ms and a rate > 0 GB/s")
+    return f"{ms:g} ms + {gbps:g} GB/s a GPU", ms / 1e3, gbps * 1e9
+
+
+def with_reads(reads: str, tp: int) -> Hardware:
+    """Qwen3-32B engines of `tp` GPUs whose NIXL reads cost as `read_cost(reads)` says, the
+    MFU refitted so that the published case's one-way mean stays 778 ms."""
+    what, fixed_s, bytes_per_s = read_cost(reads)
     mfu = fit_mfu(nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=bytes_per_s)
     hw = gpu_qwen3_32b(tp=tp, mfu=mfu, nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=bytes_per_s)
-    return replace(hw, name=f"{hw.name}, reads {key} (vLLM RFC #50913)")
+    return replace(hw, name=f"{hw.name}, reads {what}")
 
 
 def format_case(gpu: dict[str, Any]) -> str:
