@@ -5,8 +5,8 @@ sessions and prompts are the same), so each turn of one mode has a twin in anoth
 the same prompt. `by_reason` pairs the twins of one level and groups them by where the
 app placed the turn (`kvturn.placement`: `short`, `sooner`, `itl`, ...), per history
 bucket: how many, the median of their TTFT over their twins', both medians, and the
-median of the tokens the engines computed for them. A bucket's p50 ratio in
-`bench.fleet.ratios` is the sum of these groups; this says which group moves it.
+median of the tokens the engines computed for them. A bucket's TTFT p50 in
+`bench.fleet.ratios` is taken over all of these groups' turns; this says which moves it.
 
     python -m bench.paired results/fleet.json [--mode bidir] [--base dp] [--agents 4]
 
