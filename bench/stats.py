@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 16000), (16000, 1 << 30))
 """History buckets (prompt tokens) for the per-bucket TTFT tables."""
@@ -31,3 +31,23 @@ def nearest_rank(values: Iterable[float], q: float) -> float | None:
     if not ordered:
         return None
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+SPANS = ("ttft", "prefill_engine", "decode_engine", "computed")
+"""What `span_medians` summarises of a turn: its TTFT, its engines' spans (as
+`app.api.metrics.turn_hops` names them) and the prompt tokens its engines computed."""
+
+
+def span_medians(
+    turns: Iterable[tuple[int, Mapping[str, float | None]]], edges: Sequence[tuple[int, int]] = BUCKETS
+) -> dict[str, dict[str, float | None]]:
+    """Per history bucket, the median of each of `SPANS` over the turns that have it;
+    `turns`: (prompt tokens, its figures) pairs, a measured run's or a simulated one's."""
+    turns = list(turns)
+    out: dict[str, dict[str, float | None]] = {}
+    for low, high in edges:
+        group = [figures for prompt, figures in turns if low <= prompt < high]
+        out[bucket_name(low, high)] = {
+            name: nearest_rank([v for f in group if (v := f.get(name)) is not None], 0.5) for name in SPANS
+        }
+    return out

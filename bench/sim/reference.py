@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.stats import BUCKETS, bucket_name, nearest_rank
+from bench.stats import span_medians
 
 MEASURED_GOODPUT = {"dp": (2.36, 8), "oneway": (1.14, 4), "bidir": (2.35, 8), "bidir-pd": (4.35, 16)}
 """Turns/s at the target and agents there (docs/benchmarks.md fleet study, goodput table)."""
@@ -114,19 +114,14 @@ def _hops(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     app's timings (`app.api.metrics.turn_hops`)."""
     from app.api.metrics import turn_hops
 
-    out: dict[str, dict[str, float | None]] = {}
-    ok = [r for r in records if r["ok"] and r.get("ttft_s") is not None]
-    for low, high in BUCKETS:
-        group = [r for r in ok if low <= r["prompt_tokens"] < high]
-        spans = [turn_hops(r.get("timings") or {}) for r in group]
-
-        def span(name: str, spans: list[dict[str, float]] = spans) -> float | None:
-            return nearest_rank([h[name] for h in spans if name in h], 0.5)
-
-        out[bucket_name(low, high)] = {
-            "ttft": nearest_rank([r["ttft_s"] for r in group], 0.5),
-            "prefill_engine": span("prefill_engine"),
-            "decode_engine": span("decode_engine"),
-            "computed": nearest_rank([float(r["prompt_tokens"] - r["cached_tokens"]) for r in group], 0.5),
+    def figures(r: dict[str, Any]) -> dict[str, float | None]:
+        spans = turn_hops(r.get("timings") or {})
+        return {
+            "ttft": r["ttft_s"],
+            "prefill_engine": spans.get("prefill_engine"),
+            "decode_engine": spans.get("decode_engine"),
+            "computed": float(r["prompt_tokens"] - r["cached_tokens"]),
         }
-    return out
+
+    ok = [r for r in records if r["ok"] and r.get("ttft_s") is not None]
+    return span_medians((r["prompt_tokens"], figures(r)) for r in ok)

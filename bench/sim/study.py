@@ -14,10 +14,10 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from bench.fleet import ARRIVAL_WINDOW_S, BUCKETS, LEVELS, LONG_TOOL_TOKENS, SLO, goodput
+from bench.fleet import ARRIVAL_WINDOW_S, LEVELS, LONG_TOOL_TOKENS, SLO, goodput
 from bench.sim.fleet import Fleet, FleetSpec, RunResult
 from bench.sim.params import Hardware
-from bench.stats import bucket_name, nearest_rank
+from bench.stats import BUCKETS, bucket_name, nearest_rank, span_medians
 from bench.traces import Trace, TraceShape
 
 
@@ -83,18 +83,21 @@ def buckets(
 def hops(run: RunResult, edges: tuple[tuple[int, int], ...] = BUCKETS) -> dict[str, dict[str, float | None]]:
     """Per history bucket, the medians of the turns' TTFT and of their engines' spans, as
     the app's `turn_hops` names them (`prefill_engine` over the turns that had a prefill
-    leg; `decode_engine`: the engine that streamed the answer), and the turns' new tokens."""
-    out: dict[str, dict[str, float | None]] = {}
-    for low, high in edges:
-        group = [t for t in run.turns if low <= t.prompt_tokens < high]
-        legs = [t.prefill_s for t in group if t.prefill_s is not None]
-        out[bucket_name(low, high)] = {
-            "ttft": nearest_rank([t.ttft_s for t in group], 0.5),
-            "prefill_engine": nearest_rank(legs, 0.5),
-            "decode_engine": nearest_rank([t.engine_s for t in group], 0.5),
-            "computed": nearest_rank([float(t.computed_tokens) for t in group], 0.5),
-        }
-    return out
+    leg; `decode_engine`: the engine that streamed the answer), and the turns' new tokens
+    (`bench.stats.span_medians`, as `bench.sim.reference` reads a measured run)."""
+    figures = (
+        (
+            t.prompt_tokens,
+            {
+                "ttft": t.ttft_s,
+                "prefill_engine": t.prefill_s,
+                "decode_engine": t.engine_s,
+                "computed": float(t.computed_tokens),
+            },
+        )
+        for t in run.turns
+    )
+    return span_medians(figures, edges)
 
 
 def _ttfts(group: list[float]) -> dict[str, Any]:

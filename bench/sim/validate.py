@@ -24,6 +24,7 @@ from bench.sim import published
 from bench.sim.params import Hardware, cpu_fleet
 from bench.sim.reference import BUCKET_NAMES, DOCS_RUN, Reference
 from bench.sim.study import run_mode, two_engines
+from bench.stats import SPANS
 from bench.traces import TraceShape
 
 CPU_BAND = 0.20
@@ -159,9 +160,6 @@ def cpu_table(
     return rows
 
 
-HOP_FIELDS = ("ttft", "prefill_engine", "decode_engine", "computed")
-
-
 def _hop_rows(
     mode: str, measured: Mapping[str, Mapping[str, float | None]], replays: list[dict[str, dict]]
 ) -> list[dict[str, Any]]:
@@ -172,7 +170,7 @@ def _hop_rows(
         if figures.get("ttft") is None:
             continue
         sim = {}
-        for name in HOP_FIELDS:
+        for name in SPANS:
             values = [r[bucket][name] for r in replays if r.get(bucket, {}).get(name) is not None]
             sim[name] = statistics.median(values) if values else None
         rows.append({"mode": mode, "bucket": bucket, "measured": dict(figures), "simulated": sim})
@@ -193,7 +191,7 @@ def format_hops(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         cells = []
-        for name in HOP_FIELDS:
+        for name in SPANS:
             fmt = ".0f" if name == "computed" else ".3f"
             pair = (r["measured"].get(name), r["simulated"].get(name))
             cells.append(" / ".join("-" if v is None else f"{v:{fmt}}" for v in pair))
