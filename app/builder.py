@@ -114,7 +114,8 @@ def build(cfg: AppConfig) -> Application:
     )
     prefill = None
     if cfg.mode is not Mode.SINGLE:
-        sticky = cfg.sessions.prefill_routing == "sticky"
+        # Hosting prefill replicas are named by the sessions they host.
+        sticky = cfg.sessions.prefill_routing == "sticky" or cfg.prefill_hosts
         prefill_deployment = _engine_deployment(PrefillServer, cfg, cfg.prefill, sticky=sticky)
         prefill = versioned(prefill_deployment, bound, "prefill").bind(bound, bound.prefill, transfer=True)
     store = None

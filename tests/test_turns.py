@@ -99,6 +99,8 @@ class FakeEngines:
         self.decode_requests: list[tuple[EngineRequest, str]] = []
         self.seen: dict[str, list[tuple[int, ...]]] = {}  # replica -> sequences it computed
         self.pulls: list[tuple[str, int]] = []
+        self.prefill_hosts: set[str] = set()
+        """Running prefill replicas that may host sessions (`transfer.prefill_hosts`)."""
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -112,7 +114,10 @@ class FakeEngines:
             raise RuntimeError("prefill replica died")
         prompt = request.prompt_token_ids
         kv = request.kv_params or {}
-        cached = 0
+        replica = (
+            request.preferred_replica if request.preferred_replica in self.prefill_hosts else "prefill-0"
+        )
+        cached = self._local_cache_hit(replica, prompt)  # its own prefix cache
         if kv.get("do_remote_decode") and kv.get("remote_engine_id") is not None:
             assert kv["do_remote_prefill"] is False
             cached = min(int(kv["remote_num_tokens"]), len(prompt) - 1)
@@ -142,7 +147,7 @@ class FakeEngines:
                 kv_params=out_params,
                 engine_timings=ENGINE_TIMINGS,
             ),
-            "prefill-0",
+            replica,
         )
 
     # -- decode ----------------------------------------------------------------------------
@@ -162,6 +167,8 @@ class FakeEngines:
         return out
 
     def _pick(self, request: EngineRequest) -> str:
+        if request.preferred_replica in self.prefill_hosts:
+            return request.preferred_replica
         alive = [r for r in self.replica_ids if r not in self.dead]
         if request.preferred_replica in alive:
             return request.preferred_replica
@@ -255,6 +262,12 @@ class FakeEngines:
 
     def decode_replicas(self) -> frozenset[str] | None:
         return frozenset(r for r in self.replica_ids if r not in self.dead)
+
+    def hosts_on_prefill(self, replica_id: str | None) -> bool:
+        return replica_id in self.prefill_hosts
+
+    def prefill_replicas(self) -> frozenset[str] | None:
+        return frozenset(self.prefill_hosts)
 
 
 class LocalStore:

@@ -280,7 +280,8 @@ class Ingress:
         self._keys = ApiKeys.of(cfg.access)
         self._quotas = Quotas(ingress_replicas)
         app_name = serve.get_replica_context().app_name
-        clients = ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer"))
+        prefill_live = LiveReplicas(app_name, "PrefillServer") if cfg.prefill_hosts else None
+        clients = ServeEngineClients(prefill, decode, LiveReplicas(app_name, "DecodeServer"), prefill_live)
         timed_store = metrics.TimedStore(self._store) if self._store is not None else None
         tokenizer = HFTokenizer(cfg.tokenizer or cfg.model)
         self._turns = Turns(cfg, clients, timed_store, tokenizer)

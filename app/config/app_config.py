@@ -105,6 +105,12 @@ class AppConfig(Strict):
         return self.mode is Mode.BIDIR
 
     @property
+    def prefill_hosts(self) -> bool:
+        """Prefill replicas may host sessions (`transfer.prefill_hosts`, in bidir with
+        prefix caching on prefill: a hosted session's turns compute over that cache)."""
+        return self.transfer.prefill_hosts and self.mode is Mode.BIDIR and self.prefill.enable_prefix_caching
+
+    @property
     def disaggregated(self) -> bool:
         return self.mode is not Mode.SINGLE
 

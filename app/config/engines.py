@@ -160,6 +160,15 @@ class TransferConfig(Strict):
             "streaming there; 'static' is the older rule, from the turn's own first token only."
         ),
     )
+    prefill_hosts: bool = Field(
+        False,
+        description=(
+            "bidir with prefix caching on prefill: while load is low a prefill replica hosts "
+            "sessions as a decode replica does (their turns computed and streamed there, as data "
+            "parallel engines would), and hands each to decode through an ordinary P/D turn once "
+            "the streams it hosts would come late (`itl_target_ms`). Off: prefill only runs legs."
+        ),
+    )
     itl_target_ms: float = Field(
         50.0,
         gt=0,

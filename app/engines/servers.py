@@ -131,6 +131,40 @@ class EngineServer:
             if not finished:  # the caller went away: free the engine's slot and blocks
                 await self._engine.abort(request.request_id)
 
+    async def generate(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
+        """Stream the answer. Called with `handle.options(stream=True)`; every item
+        carries this replica's id, the last one the engine's final transfer params. A
+        prefill replica answers too: it then hosts the session (`transfer.prefill_hosts`)."""
+        async for chunk in self._run(request):
+            yield chunk, self.replica_id
+
+    async def kv_blocks(self, query: ReplicaQuery | None = None) -> dict | None:
+        """This replica's engine id and its KV blocks from the engine's own block pool
+        (`total`, `free`, `pinned`, `pinned_requests`); None if the engine cannot tell.
+        Pass a `ReplicaQuery` to reach a given replica."""
+        blocks = await self._engine.kv_blocks()
+        if blocks is None:
+            return None
+        return {"replica_id": self.replica_id, "engine_id": self.info().engine_id, **asdict(blocks)}
+
+    async def release(self, query: ReplicaQuery, request_ids: list[str]) -> list[str]:
+        """Free now the blocks this engine pins for `request_ids`: finished turns whose
+        handle the store let go unread (evicted, superseded, expired, dropped, session
+        ended). Called by the ingress with the replica that holds them in `query`.
+        Returns the ids released; ids not pinned here are ignored (already read or
+        expired, or another replica's when the router could not reach the wanted one).
+        Never raises: the blocks then stay pinned until the engine's own TTL."""
+        try:
+            return await self._engine.release(request_ids)
+        except Exception:
+            logger.exception(
+                "%s replica %s could not release %d pinned requests",
+                self.role,
+                self.replica_id,
+                len(request_ids),
+            )
+            return []
+
     async def check_health(self) -> None:
         """Serve's health check: raises once the engine is dead (its core process exited
         or its output loop failed), so Serve stops routing here and replaces the replica."""
@@ -197,21 +231,6 @@ class PrefillServer(EngineServer):
 class DecodeServer(EngineServer):
     role = "decode"
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[tuple[EngineChunk, str]]:
-        """Stream the answer. Called with `handle.options(stream=True)`; every item
-        carries this replica's id, the last one the engine's final transfer params."""
-        async for chunk in self._run(request):
-            yield chunk, self.replica_id
-
-    async def kv_blocks(self, query: ReplicaQuery | None = None) -> dict | None:
-        """This replica's engine id and its KV blocks from the engine's own block pool
-        (`total`, `free`, `pinned`, `pinned_requests`); None if the engine cannot tell.
-        Pass a `ReplicaQuery` to reach a given replica."""
-        blocks = await self._engine.kv_blocks()
-        if blocks is None:
-            return None
-        return {"replica_id": self.replica_id, "engine_id": self.info().engine_id, **asdict(blocks)}
-
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling metrics hook (called only when the role autoscales): the
         share of the engine's KV blocks in use, running requests and pinned conversations."""
@@ -249,18 +268,3 @@ class DecodeServer(EngineServer):
             return await last_of(peers.generate.remote(request))
 
         await Drain(self._cfg, self.info().engine_id, self.replica_id, store, move).run()
-
-    async def release(self, query: ReplicaQuery, request_ids: list[str]) -> list[str]:
-        """Free now the blocks this engine pins for `request_ids`: finished turns whose
-        handle the store let go unread (evicted, superseded, expired, dropped, session
-        ended). Called by the ingress with the replica that holds them in `query`.
-        Returns the ids released; ids not pinned here are ignored (already read or
-        expired, or another replica's when the router could not reach the wanted one).
-        Never raises: the blocks then stay pinned until the engine's own TTL."""
-        try:
-            return await self._engine.release(request_ids)
-        except Exception:
-            logger.exception(
-                "decode replica %s could not release %d pinned requests", self.replica_id, len(request_ids)
-            )
-            return []

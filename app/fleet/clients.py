@@ -14,23 +14,56 @@ from connector.settings import StoreSettings
 
 
 class ServeEngineClients:
-    """`EngineClients` over Serve deployment handles."""
+    """`EngineClients` over Serve deployment handles.
 
-    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle, decode_live: LiveReplicas):
+    A session's replica (`preferred_replica`, the replica of a handle to release or
+    count) is a decode replica, or a prefill replica that hosts the session
+    (`transfer.prefill_hosts`): each call goes to the deployment whose routers list that
+    replica as running."""
+
+    def __init__(
+        self,
+        prefill: DeploymentHandle | None,
+        decode: DeploymentHandle,
+        decode_live: LiveReplicas,
+        prefill_live: LiveReplicas | None = None,
+    ):
         self._prefill = prefill
+        self._prefill_stream = prefill.options(stream=True) if prefill is not None else None
         self._decode = decode.options(stream=True)
         self._decode_calls = decode
         self._decode_live = decode_live
+        self._prefill_live = prefill_live
+
+    def hosts_on_prefill(self, replica_id: str | None) -> bool:
+        """Whether `replica_id` is a running prefill replica (one that can host sessions)."""
+        if not replica_id or self._prefill_live is None:
+            return False
+        return self._prefill_live.alive(replica_id) is True
+
+    def prefill_replicas(self) -> frozenset[str] | None:
+        return self._prefill_live.running() if self._prefill_live is not None else None
+
+    def _calls(self, replica_id: str) -> DeploymentHandle:
+        if self.hosts_on_prefill(replica_id):
+            assert self._prefill is not None
+            return self._prefill
+        return self._decode_calls
 
     async def prefill(self, request: EngineRequest) -> tuple[EngineChunk, str]:
         assert self._prefill is not None  # called in P/D modes only, which have prefill
         return await self._prefill.prefill.remote(request)
 
     async def decode(self, request: EngineRequest):
-        async for item in self._decode.generate.remote(request):
+        streams = self._decode
+        if self._prefill_stream is not None and self.hosts_on_prefill(request.preferred_replica):
+            streams = self._prefill_stream
+        async for item in streams.generate.remote(request):
             yield item
 
     def decode_alive(self, replica_id: str) -> bool | None:
+        if self.hosts_on_prefill(replica_id):
+            return True
         return self._decode_live.alive(replica_id)
 
     async def decode_stopping(self, replica_id: str) -> bool:
@@ -40,10 +73,10 @@ class ServeEngineClients:
         return self._decode_live.running()
 
     async def decode_kv_blocks(self, replica_id: str) -> dict | None:
-        return await self._decode_calls.kv_blocks.remote(ReplicaQuery(replica_id))
+        return await self._calls(replica_id).kv_blocks.remote(ReplicaQuery(replica_id))
 
     async def release(self, replica_id: str, request_ids) -> list[str]:
-        return await self._decode_calls.release.remote(ReplicaQuery(replica_id), list(request_ids))
+        return await self._calls(replica_id).release.remote(ReplicaQuery(replica_id), list(request_ids))
 
 
 def store_settings(cfg: AppConfig) -> StoreSettings:

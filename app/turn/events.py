@@ -105,6 +105,7 @@ class TurnCount(enum.StrEnum):
     DECODE_LOCAL = "decode_local"
     DECODE_LOCAL_BUSY = "decode_local_busy"
     DECODE_LOCAL_CACHED_TOKENS = "decode_local_cached_tokens"
+    HOST_HANDOFF = "host_handoff"  # a session a prefill replica hosted, handed to decode
     # Why (`app.turn.placement.Reason`): on decode (short, sooner, busy) or through prefill.
     PLACED_SHORT = "placed_short"
     PLACED_SOONER = "placed_sooner"
@@ -114,6 +115,7 @@ class TurnCount(enum.StrEnum):
     PLACED_LATER = "placed_later"
     PLACED_IDLE = "placed_idle"
     PLACED_NO_REPLICA = "placed_no_replica"
+    PLACED_HOSTED = "placed_hosted"
     # The prefill leg.
     PREFILL_TIMEOUT = "prefill_timeout"
     PREFILL_SKIPPED = "prefill_skipped"

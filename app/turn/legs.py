@@ -100,6 +100,7 @@ class Legs:
         history: KVHandle | None,
         pin_deadline: float | None = None,
         timings: dict[str, float] | None = None,
+        prefer: str | None = None,
     ) -> Prefilled:
         """Run the prefill leg. The engine's own times of the leg that answered go into `timings`.
 
@@ -107,13 +108,16 @@ class Legs:
         `transfer.pull_timeout_s` on top of the compute expected here); past it the call
         is cancelled (the server aborts the engine request) and prefill recomputes. The
         deadline never passes `pin_deadline`, when the decode engine's pin ends (counted
-        as `pull_deadline` rather than `pull_timeout` when that is what cut it)."""
+        as `pull_deadline` rather than `pull_timeout` when that is what cut it). `prefer`:
+        the prefill replica to run it on while it lives (one that hosted the session and
+        caches its history)."""
         request = EngineRequest(
             request_id=turn.request_id + "-prefill",
             prompt_token_ids=prompt_ids,
             sampling=Sampling(max_tokens=1, temperature=0.0),
             kv_params=prefill_params(history),
             cache_salt=turn.cache_salt,
+            preferred_replica=prefer,
         )
         new_tokens = len(prompt_ids) - (history.num_tokens if history is not None else 0)
         # Every leg has a deadline: a pool with no live replica (all restarting) must not

@@ -40,6 +40,15 @@ class EngineClients(DecodeMemoryClients, Protocol):
         """Whether a decode replica that is no longer running still lives (Serve drains it)."""
         ...
 
+    def hosts_on_prefill(self, replica_id: str | None) -> bool:
+        """Whether `replica_id` is a running prefill replica (`transfer.prefill_hosts`:
+        `decode` calls that prefer it are answered there)."""
+        ...
+
+    def prefill_replicas(self) -> frozenset[str] | None:
+        """Running prefill replicas as the router last saw them (None: not known)."""
+        ...
+
 
 class Store(TurnStore, Protocol):
     """The handle store as a turn calls it (`connector.store_api.TurnStore`, which

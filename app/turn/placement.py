@@ -58,9 +58,11 @@ class Reason(enum.StrEnum):
     """Prefill (the static rule): prefill has no leg in flight."""
     NO_REPLICA = "no_replica"
     """Prefill: the session has no decode replica yet whose load could be priced."""
+    HOSTED = "hosted"
+    """A prefill replica that hosts the session computes and streams it (`place_hosted`)."""
 
 
-ON_DECODE = frozenset({Reason.SHORT, Reason.SOONER, Reason.BUSY})
+ON_DECODE = frozenset({Reason.SHORT, Reason.SOONER, Reason.BUSY, Reason.HOSTED})
 """The reasons that send a turn to its decode replica; the others send it through prefill."""
 
 
@@ -147,19 +149,11 @@ def place(
     pace = decode.seconds_per_token if measured else prefill.seconds_per_token
     fixed = decode.fixed_s if measured else prefill.fixed_s
     tokens = decode.tokens_in_flight + new_tokens
-    chunk = min(tokens, limits.chunk_tokens) if limits.chunk_tokens > 0 else tokens
     steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
     step = decode.seconds_per_step or 0.0
-    stream_step = step + ((pace or 0.0) + per_context * context) * chunk
-    # The streams there now wait on each of its steps; those that start meanwhile, on the
-    # steps left (half of them, on average).
-    starting = steps * stream_step * decode.joined_per_s
-    late = 0
-    if decode.streams > 0 or round(starting * steps / 2) > 0:
-        if pace is not None and stream_step > limits.itl_target_s:
-            late = round((decode.streams + starting / 2) * steps)
-        if decode.late_budget < 0 or late > decode.late_budget:
-            return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
+    stream_step, late, over = _streams_cost(new_tokens, pace, per_context, decode, limits, context)
+    if over:
+        return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
     if new_tokens <= limits.short_tokens:
         return Placement(True, Reason.SHORT, stream_step_s=stream_step, late_outputs=late)
     if prefill.seconds_per_token is None or pace is None:
@@ -175,6 +169,58 @@ def place(
     sooner = on_decode < on_prefill
     reason = Reason.SOONER if sooner else Reason.LATER
     return Placement(sooner, reason, on_decode, on_prefill, stream_step, late)
+
+
+def place_hosted(
+    new_tokens: int, host: DecodeLoad, limits: Limits, context: int = 0, pace: float | None = None
+) -> Placement:
+    """Where a turn of a session a prefill replica hosts goes: computed and streamed there
+    (`Reason.HOSTED`) while its streams can afford it, else through prefill as any P/D turn
+    (the leg runs on that replica over the history it caches, and decode takes the session
+    over; at once once the streams it hosted came late beyond their share). Its first
+    token never comes sooner through prefill (the leg runs on the same engine, and a
+    hand-off follows), so only the streams and `Reason.TOO_LONG` decide.
+    `pace`: seconds per prompt token there while `host` has none measured (the prefill
+    pool's)."""
+    if new_tokens > max(limits.short_tokens, limits.max_tokens):
+        return Placement(False, Reason.TOO_LONG)
+    measured = host.seconds_per_token if host.seconds_per_token is not None else pace
+    stream_step, late, over = _streams_cost(
+        new_tokens, measured, host.seconds_per_context, host, limits, context
+    )
+    # Streams it hosted came late beyond their share (the prefill legs stretch its steps
+    # too): a turn streamed there now would as well, whether or not others stream there.
+    over = over or host.late_budget < 0
+    return Placement(
+        not over, Reason.ITL if over else Reason.HOSTED, stream_step_s=stream_step, late_outputs=late
+    )
+
+
+def _streams_cost(
+    new_tokens: int,
+    pace: float | None,
+    per_context: float,
+    replica: DecodeLoad,
+    limits: Limits,
+    context: int,
+) -> tuple[float, int, bool]:
+    """What computing `new_tokens` on `replica` costs the streams there: their step while
+    it computes a chunk, the outputs it makes late, and whether those are more than the
+    replica's late budget (or its streams are already late beyond it)."""
+    tokens = replica.tokens_in_flight + new_tokens
+    chunk = min(tokens, limits.chunk_tokens) if limits.chunk_tokens > 0 else tokens
+    steps = math.ceil(tokens / limits.chunk_tokens) if limits.chunk_tokens > 0 else 1
+    stream_step = (replica.seconds_per_step or 0.0) + ((pace or 0.0) + per_context * context) * chunk
+    # The streams there now wait on each of its steps; those that start meanwhile, on the
+    # steps left (half of them, on average).
+    starting = steps * stream_step * replica.joined_per_s
+    late = 0
+    if replica.streams > 0 or round(starting * steps / 2) > 0:
+        if pace is not None and stream_step > limits.itl_target_s:
+            late = round((replica.streams + starting / 2) * steps)
+        if replica.late_budget < 0 or late > replica.late_budget:
+            return stream_step, late, True
+    return stream_step, late, False
 
 
 def place_static(

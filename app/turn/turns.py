@@ -40,7 +40,7 @@ from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled, record_engine_timings
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded, loads
-from app.turn.placement import Limits, Placement, Reason, place, place_static
+from app.turn.placement import Limits, Placement, Reason, place, place_hosted, place_static
 from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
 from connector.handle import KVHandle, WireError, local_decode_params
@@ -89,7 +89,13 @@ class Turns:
             route, replica, placement = self._route(prompt_ids, history, conv)
             legged = Prefilled()
             if route is Route.PREFILL:
-                legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings)
+                host = self._prefill_host(conv)
+                if host is not None and history is not None:
+                    # A prefill replica hosts the session: its leg runs there over the
+                    # history that replica caches (no pull), and decode takes the session over.
+                    self.counts[TurnCount.HOST_HANDOFF] += 1
+                    history = None
+                legged = await self._legs.prefill(turn, prompt_ids, history, pin_deadline, timings, host)
                 timings["prefill_s"] = time.monotonic() - started
                 if history is not None:
                     # A short pull (prefill recomputed instead) may leave decode's blocks
@@ -252,7 +258,10 @@ class Turns:
         is none) and `app.turn.placement` chooses it from this ingress's measured loads
         (`transfer.placement`); each choice is counted as `placed_<reason>`. A session with
         no decode replica yet is priced on the one this ingress sees least loaded, and goes
-        there when it stays on decode. Else through prefill, when there is one."""
+        there when it stays on decode. With `transfer.prefill_hosts` a prefill replica may
+        host the session instead (`_placement_of`): `Route.LOCAL` there, and a turn it
+        cannot afford goes through prefill to a decode replica. Else through prefill, when
+        there is one."""
         replica = conv.decode_replica if conv is not None else None
         placement, priced_on = self._placement_of(prompt_ids, history, replica)
         if placement is not None and placement.local:
@@ -260,6 +269,8 @@ class Turns:
             if placement.reason in (Reason.BUSY, Reason.SOONER):  # past `decode_local_tokens`
                 self.counts[TurnCount.DECODE_LOCAL_BUSY] += 1
             return Route.LOCAL, priced_on, placement
+        if self._prefill_host(replica) is not None:
+            replica = None  # handed over: a decode replica reads the leg's blocks
         return (Route.PREFILL if self._cfg.disaggregated else Route.DECODE), replica, placement
 
     def _placement_of(
@@ -267,19 +278,69 @@ class Turns:
     ) -> tuple[Placement | None, str | None]:
         if not self._cfg.reuses_kv:
             return None, replica
+        placement: Placement | None = None
         if history is None:
             new_tokens = len(prompt_ids)
+            if not replica and (host := self._hosting_prefill()) is not None:
+                # A new session: a prefill replica less loaded than any decode replica hosts it.
+                placement = self._place_hosted(host, new_tokens, 0)
+                replica = host if placement.local else None
             replica = replica or self._least_loaded_decode()
         elif self._cfg.decode.enable_prefix_caching and replica:
             new_tokens = len(prompt_ids) - history.num_tokens
         else:
             return None, replica
-        local, streams = (self._local_pace(replica), self.streams.of(replica)) if replica else (None, None)
-        prefill, decode = loads(self.pace, self.streams.handoff, local, streams)
         context = len(prompt_ids) - new_tokens
-        placement = self._placement(new_tokens, prefill, decode, self._limits, context)
+        if placement is None or not placement.local:
+            if self._prefill_host(replica) is not None:
+                assert replica is not None
+                placement = self._place_hosted(replica, new_tokens, context)
+            else:
+                local, streams = (
+                    (self._local_pace(replica), self.streams.of(replica)) if replica else (None, None)
+                )
+                prefill, decode = loads(self.pace, self.streams.handoff, local, streams)
+                placement = self._placement(new_tokens, prefill, decode, self._limits, context)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
         return placement, replica
+
+    def _prefill_host(self, where: Conversation | str | None) -> str | None:
+        """The prefill replica that hosts a session (`where`: its conversation, or its
+        replica), if one does (`transfer.prefill_hosts`)."""
+        replica = where.decode_replica if isinstance(where, Conversation) else where
+        if not (self._cfg.prefill_hosts and replica):
+            return None
+        return replica if self._clients.hosts_on_prefill(replica) else None
+
+    def _hosting_prefill(self) -> str | None:
+        """A prefill replica to host a new session (`transfer.prefill_hosts`): of the
+        running ones whose streams are within their late budget, the least loaded (streams,
+        then prompt tokens: its hosted turns' and the prefill legs'), when no decode replica
+        is less loaded. None: decode takes the session, as without hosting."""
+        if not self._cfg.prefill_hosts:
+            return None
+        hosts = [r for r in self._clients.prefill_replicas() or () if self.streams.of(r).late.budget >= 0]
+        if not hosts:
+            return None
+
+        def load(replica: str) -> tuple[int, int]:
+            pace = self.local_pace.get(replica)
+            legs = self.pace.tokens_in_flight if replica in hosts else 0
+            return self.streams.of(replica).streams, legs + (pace.tokens_in_flight if pace else 0)
+
+        host = min(hosts, key=load)
+        decode = self._least_loaded_decode()
+        return host if decode is None or load(host) <= load(decode) else None
+
+    def _place_hosted(self, host: str, new_tokens: int, context: int) -> Placement:
+        """`app.turn.placement.place_hosted` on a prefill replica, with its hosted turns and
+        streams as this ingress measured them and the prefill legs in flight (they stretch
+        its streams' steps too); its prompt steps are not chunked by the app."""
+        prefill, load = loads(self.pace, self.streams.handoff, self._local_pace(host), self.streams.of(host))
+        assert load is not None
+        load = dataclasses.replace(load, tokens_in_flight=load.tokens_in_flight + self.pace.tokens_in_flight)
+        limits = dataclasses.replace(self._limits, chunk_tokens=0)
+        return place_hosted(new_tokens, load, limits, context, prefill.seconds_per_token)
 
     def _least_loaded_decode(self) -> str | None:
         """Of the running decode replicas, one with the fewest streams and prompt tokens in

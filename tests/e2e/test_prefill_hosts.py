@@ -1,0 +1,124 @@
+"""Prefill replicas that host sessions (`transfer.prefill_hosts`), end to end with real
+engines: an idle prefill replica computes and streams a new session's turns itself, over
+its own prefix cache, as one engine would; a turn it cannot afford (here, one past what
+decode-local turns may compute) goes through an ordinary P/D leg on that replica, over
+the history it caches, and the decode engine reads the whole prompt and takes the
+session over. Greedy tokens equal a recomputing engine's throughout; the engines' own
+counters say who computed what, and no block stays pinned on the prefill engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import pd_config
+from tests.e2e.helpers import SYSTEM, chat, delta, engine_stats, kv_stats, reference_tokens
+
+APP = "host"
+BUSY_LIMIT = 128
+
+
+@pytest.fixture(scope="module")
+def host(apps):
+    from ray import serve
+
+    from app.builder import build
+
+    cfg = pd_config(
+        app_name=APP,
+        **{
+            "decode.num_replicas": 1,
+            "prefill.enable_prefix_caching": True,
+            "transfer.prefill_hosts": True,
+            "transfer.decode_local_tokens": 48,
+            "transfer.decode_local_busy_tokens": BUSY_LIMIT,
+        },
+    )
+    assert cfg.prefill_hosts
+    serve.run(build(cfg), name=APP, route_prefix="/" + APP)
+    yield {"url": apps["url"] + "/" + APP, "cfg": cfg}
+    serve.delete(APP)
+
+
+def _stats():
+    return engine_stats("PrefillServer", app=APP), engine_stats("DecodeServer", app=APP)
+
+
+def _prefill_pins() -> int:
+    from ray import serve
+
+    from app.engines.wire import ReplicaQuery
+
+    blocks = serve.get_deployment_handle("PrefillServer", APP).kv_blocks.remote(ReplicaQuery()).result()
+    return blocks["pinned_requests"]
+
+
+def test_a_prefill_replica_hosts_a_session_then_hands_it_to_decode(apps, host):
+    block = host["cfg"].block_size
+    url = host["url"]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Look at the logs and the build. " * 3},
+    ]
+
+    # Turn 1: the idle prefill replica hosts the new session; decode computes nothing.
+    p0, d0 = _stats()
+    r1 = chat(url, messages, session="host-1", max_tokens=16, stream=True)
+    assert len(r1.prompt_token_ids) <= BUSY_LIMIT
+    assert r1.kvturn["placement"] == "hosted"
+    p1, d1 = _stats()
+    assert delta(p1, p0)["prompt_tokens_computed"] >= len(r1.prompt_token_ids) - block
+    assert delta(d1, d0)["prompt_tokens_total"] == 0, "the decode engine got no request"
+    assert r1.token_ids == reference_tokens(apps["url"], r1.prompt_token_ids, len(r1.token_ids))
+    history = len(r1.prompt_token_ids) + len(r1.token_ids) - 1
+
+    # Turn 2: there again, over what its prefix cache kept of turn 1.
+    messages += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Go on."}]
+    r2 = chat(url, messages, session="host-1", max_tokens=16)
+    assert r2.kvturn["placement"] == "hosted" and r2.kvturn["spliced"]
+    p2, d2 = _stats()
+    p = delta(p2, p1)
+    assert p["prompt_tokens_local_hit"] >= history - block, (p, history)
+    assert p["prompt_tokens_computed"] <= len(r2.prompt_token_ids) - history + block, p
+    assert r2.usage["prompt_tokens_details"]["cached_tokens"] == p["prompt_tokens_local_hit"]
+    assert delta(d2, d1)["prompt_tokens_total"] == 0
+    assert r2.token_ids == reference_tokens(apps["url"], r2.prompt_token_ids, len(r2.token_ids))
+
+    # Turn 3 brings a tool result past what decode-local turns may compute: a P/D leg on
+    # the hosting replica over its own cache (nothing pulled), and decode reads it all.
+    history = len(r2.prompt_token_ids) + len(r2.token_ids) - 1
+    messages += [
+        {"role": "assistant", "content": r2.text},
+        {"role": "user", "content": "Tool result: " + "build ok, 0 warnings; " * 24},
+    ]
+    r3 = chat(url, messages, session="host-1", max_tokens=16)
+    assert len(r3.prompt_token_ids) - history > BUSY_LIMIT
+    assert r3.kvturn["placement"] == "too_long"
+    p3, d3 = _stats()
+    p, d = delta(p3, p2), delta(d3, d2)
+    assert p["prompt_tokens_local_hit"] >= history - block, (p, history)
+    assert p["prompt_tokens_external"] == 0 and p["kv_transfers"] == 0, p
+    assert d["prompt_tokens_external"] >= len(r3.prompt_token_ids) - block, d
+    assert d["kv_transfers"] >= 1 and d["kv_failed_transfers"] == 0, d
+    assert r3.kvturn["reused_from_decode"] == 0
+    assert r3.token_ids == reference_tokens(apps["url"], r3.prompt_token_ids, len(r3.token_ids))
+    turns = kv_stats(url)["turns"]
+    assert turns["host_handoff"] == 1 and turns["placed_hosted"] == 2, turns
+
+    # Turn 4: the session is decode's now; its short turn is computed there.
+    history = len(r3.prompt_token_ids) + len(r3.token_ids) - 1
+    messages += [{"role": "assistant", "content": r3.text}, {"role": "user", "content": "Thanks."}]
+    r4 = chat(url, messages, session="host-1", max_tokens=16)
+    assert r4.kvturn["placement"] == "short"
+    p4, d4 = _stats()
+    assert delta(p4, p3)["prompt_tokens_total"] == 0
+    assert delta(d4, d3)["prompt_tokens_local_hit"] >= history - block
+    assert r4.token_ids == reference_tokens(apps["url"], r4.prompt_token_ids, len(r4.token_ids))
+
+    # Nothing stays pinned on the prefill engine: the hosted turns' blocks were released
+    # when the session left, the leg's were read by decode.
+    deadline = time.monotonic() + 10
+    while _prefill_pins() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _prefill_pins() == 0
