@@ -227,7 +227,7 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
     bucket at the highest level both ran, and TTFT p50 and p90 per bucket at the highest
     level both met the target (`..._met`)."""
     out: dict[str, Any] = {}
-    for mine in ("bidir", "bidir-pd"):
+    for mine in ("bidir", "bidir-host", "bidir-pd"):
         run_b = modes.get(mine)
         if run_b is None:
             continue

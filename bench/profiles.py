@@ -111,6 +111,11 @@ class Profile:
         if mode == BIDIR_PD:
             every_turn_via_prefill = replace(self, decode_local_tokens=0, decode_local_busy_tokens=0)
             return every_turn_via_prefill.app_config(Mode.BIDIR.value, model_path, app_name)
+        if mode == BIDIR_HOST:
+            hosts = replace(
+                self, prefill_prefix_caching=True, transfer={**self.transfer, "prefill_hosts": True}
+            )
+            return hosts.app_config(Mode.BIDIR.value, model_path, app_name)
         role = {
             "num_replicas": 1,
             "num_cpus": self.num_cpus if self.num_cpus is not None else engine_cpus(),
@@ -424,25 +429,17 @@ def profile(name: str) -> Profile:
     raise ValueError(f"unknown profile {name!r} ({', '.join(PROFILES)})")
 
 
-PROFILES = (
-    "cpu",
-    "agentic",
-    "chat",
-    "gpu",
-    "smoke",
-    "pressure",
-    "elastic",
-    "autoscale",
-    "fleet",
-    "fleet-32k",
-    "fleet-gpu",
-)
+PROFILES: tuple[str, ...] = ("cpu", "agentic", "chat", "gpu", "smoke", "pressure", "elastic", "autoscale")
+PROFILES += ("fleet", "fleet-32k", "fleet-gpu")
 DP = "dp"
 """Data-parallel engines with session affinity: what agent operators run without P/D."""
 BIDIR_PD = "bidir-pd"
 """bidir with every turn through prefill (no turn computed on decode): decode engines
 only decode, whatever arrives."""
-MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP, BIDIR_PD)
+BIDIR_HOST = "bidir-host"
+"""bidir whose prefill replica hosts sessions while load is low (`transfer.prefill_hosts`,
+with prefix caching on prefill)."""
+MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP, BIDIR_PD, BIDIR_HOST)
 """Every mode a run can deploy."""
 DEFAULT_MODES = MODES[:3]
 """What a run deploys without `--modes`."""
