@@ -47,7 +47,8 @@ def _engine_deployment(deployment, cfg: AppConfig, role: EngineRoleConfig, *, st
         health_check_timeout_s=600,
         graceful_shutdown_timeout_s=cfg.drain.answer_grace_s,
     )
-    if role is cfg.decode and cfg.reuses_kv and cfg.drain.migrate:
+    hosts = role is cfg.decode or cfg.prefill_hosts  # its engine pins conversations
+    if hosts and cfg.reuses_kv and cfg.drain.migrate:
         # In-flight answers first, then the moves of the pinned conversations (`app.fleet.drain`).
         options["graceful_shutdown_timeout_s"] = cfg.drain.answer_grace_s + cfg.drain.budget_s
     if role.autoscaling is not None:

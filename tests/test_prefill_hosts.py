@@ -5,9 +5,13 @@ cache."""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import pytest
 
-from app.turn.placement import DecodeLoad, Limits, Reason, place_hosted
+from app.turn.placement import DecodeLoad, Limits, Placement, Reason, place_hosted
+from app.turn.turns import HOST_RETRY_S
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import TurnOutcome
 from tests.test_turns import MAX_TOKENS, P1, USER2, USER3, FakeEngines, Rig, enc, expected_answer
@@ -23,17 +27,25 @@ def model_dir(tmp_path):
     return str(path)
 
 
-def hosting_rig(model_dir, **overrides) -> Rig:
+def hosting_rig(model_dir, *, decode_busy: bool = True, **overrides) -> Rig:
+    """A rig whose prefill replica may host; `decode_busy`: each decode replica streams an
+    answer (so the idle prefill replica is the least loaded, not a coin toss among equals)."""
     engines = FakeEngines()
     engines.prefill_hosts.add(HOST)
-    return Rig(model_dir, engines, **{**HOSTING, **overrides})
+    rig = Rig(model_dir, engines, **{**HOSTING, **overrides})
+    for replica in engines.replica_ids if decode_busy else ():
+        rig.turns.streams.of(replica).streams = 1
+    return rig
 
 
-def make_late(rig: Rig, replica: str) -> None:
-    """The replica's streams came late, past their share: no budget left."""
+def make_late(rig: Rig, replica: str, idle_s: float = 0.0) -> None:
+    """The replica's streams came late, past their share: no budget left; its last stream
+    ended `idle_s` ago."""
+    streams = rig.turns.streams.of(replica)
     for _ in range(50):
-        rig.turns.streams.of(replica).late.observe(1.0)
-    assert rig.turns.streams.of(replica).late.budget < 0
+        streams.late.observe(1.0)
+    streams.last_end = time.monotonic() - idle_s
+    assert streams.late.budget < 0
 
 
 async def test_an_idle_prefill_replica_hosts_a_new_session_and_its_next_turns(model_dir):
@@ -96,11 +108,29 @@ async def test_new_sessions_go_to_decode_while_the_prefill_replica_is_late_or_bu
     _, _, r1 = await rig.turn(text=P1)
     assert r1.decode_replica in ("decode-0", "decode-1") and rig.turns.counts["placed_hosted"] == 0
 
-    busier = hosting_rig(model_dir)
+    busier = hosting_rig(model_dir, decode_busy=False)
     busier.turns.streams.of(HOST).streams = 1  # one answer streaming there, none on decode
     _, _, r2 = await busier.turn(text=P1)
     assert r2.decode_replica in ("decode-0", "decode-1") and busier.turns.counts["placed_hosted"] == 0
     busier.turns.streams.of(HOST).streams = 0
+
+
+async def test_a_late_prefill_replica_idle_long_enough_hosts_again(model_dir):
+    rig = hosting_rig(model_dir)
+    make_late(rig, HOST, idle_s=HOST_RETRY_S + 1)
+    _, _, r1 = await rig.turn(text=P1)
+    assert r1.decode_replica == HOST and r1.placement == "hosted"
+    assert rig.turns.streams.of(HOST).late.budget >= 0  # a fresh record
+
+
+async def test_idle_replicas_of_both_pools_share_new_sessions_out(model_dir):
+    rig = hosting_rig(model_dir, decode_busy=False)
+    where = Counter()
+    for i in range(30):
+        _, _, r = await rig.turn(text=P1 + f" session {i}", session=f"s{i}")
+        where[r.decode_replica] += 1
+    assert set(where) == {HOST, "decode-0", "decode-1"}, where
+    assert rig.turns.counts["placed_hosted"] == where[HOST]
 
 
 async def test_without_prefill_hosts_prefill_hosts_nothing(model_dir):
@@ -119,19 +149,20 @@ async def test_without_prefill_hosts_prefill_hosts_nothing(model_dir):
 LIMITS = Limits(short_tokens=512, max_tokens=2048, itl_target_s=0.05)
 
 
-def test_a_hosted_turn_stays_while_its_streams_can_afford_it():
+def test_a_hosted_turn_stays_until_its_streams_come_late_beyond_their_share():
     idle = DecodeLoad(seconds_per_token=1e-3)
     assert place_hosted(1500, idle, LIMITS).reason is Reason.HOSTED
-    # Two streams there, a 300-token turn makes each late once (a 0.33 s step): within a
-    # budget of 5, not within one of 1.
-    busy = DecodeLoad(seconds_per_token=1e-3, streams=2, seconds_per_step=0.03, late_budget=5)
+    # Two streams there, a 300-token turn makes each late once (a 0.33 s step): priced,
+    # and it stays even past the budget left (a leg there would stall them as long).
+    busy = DecodeLoad(seconds_per_token=1e-3, streams=2, seconds_per_step=0.03, late_budget=1)
     placed = place_hosted(300, busy, LIMITS)
     assert placed.local and placed.late_outputs == 2
-    tight = DecodeLoad(seconds_per_token=1e-3, streams=2, seconds_per_step=0.03, late_budget=1)
-    assert place_hosted(300, tight, LIMITS).reason is Reason.ITL
+    # Its streams came late beyond their share: the session goes through prefill to decode.
+    late = DecodeLoad(seconds_per_token=1e-3, streams=2, seconds_per_step=0.03, late_budget=-1)
+    assert place_hosted(30, late, LIMITS) == Placement(False, Reason.ITL, stream_step_s=0.06, late_outputs=0)
     # Past what decode is ever given: through prefill.
     assert place_hosted(3000, idle, LIMITS).reason is Reason.TOO_LONG
     # Unmeasured there: the prefill pool's pace stands in (same engine).
     unmeasured = DecodeLoad(seconds_per_token=None, streams=2, seconds_per_step=0.03, late_budget=1)
-    assert place_hosted(300, unmeasured, LIMITS, pace=1e-3).reason is Reason.ITL
-    assert place_hosted(300, unmeasured, LIMITS, pace=1e-5).reason is Reason.HOSTED
+    assert place_hosted(300, unmeasured, LIMITS, pace=1e-3).late_outputs == 2
+    assert place_hosted(300, unmeasured, LIMITS, pace=1e-5).late_outputs == 0

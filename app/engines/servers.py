@@ -37,6 +37,7 @@ from connector.client import StoreClient
 logger = logging.getLogger("ray.serve").getChild(__name__)
 
 STORE_DEPLOYMENT = "SessionStore"
+DECODE_DEPLOYMENT = "DecodeServer"
 DRAIN_SLACK_S = 5.0
 """Beyond `drain.budget_s`: the store calls before and after the moves."""
 PREFILL_READ_WAIT_S = 10.0
@@ -165,6 +166,36 @@ class EngineServer:
             )
             return []
 
+    async def _hand_over(self, engine: Engine) -> None:
+        """Move the conversations this engine pins to the running decode replicas
+        (`app.fleet.drain.Drain`, within `drain.budget_s`): a stopping decode replica's, or a
+        stopping prefill replica's that hosted sessions. Never raises: what is not moved is
+        dropped from the store, and its next turn recomputes."""
+        try:
+            await engine.check_health()  # a dead engine has nothing left to read
+            await asyncio.wait_for(self._drain(), self._cfg.drain.budget_s + DRAIN_SLACK_S)
+        except Exception:
+            logger.exception(
+                "%s replica %s could not hand its conversations over", self.role, self.replica_id
+            )
+
+    async def _drain(self) -> None:
+        app = serve.get_replica_context().app_name
+        if not await asyncio.to_thread(_peers_running, app, DECODE_DEPLOYMENT):
+            logger.info(
+                "%s replica %s stops with no running decode peer: nothing to move", self.role, self.replica_id
+            )
+            return
+        store = StoreClient.of_deployment(
+            serve.get_deployment_handle(STORE_DEPLOYMENT, app), store_settings(self._cfg)
+        )
+        peers = serve.get_deployment_handle(DECODE_DEPLOYMENT, app).options(stream=True)
+
+        async def move(request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
+            return await last_of(peers.generate.remote(request))
+
+        await Drain(self._cfg, self.info().engine_id, self.replica_id, store, move).run()
+
     async def check_health(self) -> None:
         """Serve's health check: raises once the engine is dead (its core process exited
         or its output loop failed), so Serve stops routing here and replaces the replica."""
@@ -201,12 +232,16 @@ class PrefillServer(EngineServer):
         return {QUEUED_TOKENS: float(self.queued_tokens)}
 
     async def __del__(self):  # type: ignore[override]  # Serve awaits an async destructor
-        """Serve's graceful shutdown, once the legs in flight finished: the KV of the last
-        legs may not have been read by their decode engines yet, so wait (up to
-        `PREFILL_READ_WAIT_S`) until no block is pinned for a reader, then end the engine."""
+        """Serve's graceful shutdown, once the legs and hosted answers in flight finished:
+        the sessions it hosts (`transfer.prefill_hosts`) go to the decode replicas as a
+        stopping decode replica's do; the KV of the last legs may not have been read by
+        their decode engines yet, so wait (up to `PREFILL_READ_WAIT_S`) until no block is
+        pinned for a reader, then end the engine."""
         engine = getattr(self, "_engine", None)
         if engine is None:
             return
+        if self._cfg.prefill_hosts and self._cfg.drain.migrate:
+            await self._hand_over(engine)
         deadline = time.monotonic() + PREFILL_READ_WAIT_S
         try:
             while time.monotonic() < deadline:
@@ -227,7 +262,7 @@ class PrefillServer(EngineServer):
         return last, self.replica_id
 
 
-@serve.deployment(name="DecodeServer")
+@serve.deployment(name=DECODE_DEPLOYMENT)
 class DecodeServer(EngineServer):
     role = "decode"
 
@@ -247,24 +282,5 @@ class DecodeServer(EngineServer):
         if engine is None:
             return
         if self._cfg.reuses_kv and self._cfg.drain.migrate:
-            try:
-                await engine.check_health()  # a dead engine has nothing left to read
-                await asyncio.wait_for(self._drain(), self._cfg.drain.budget_s + DRAIN_SLACK_S)
-            except Exception:
-                logger.exception("decode replica %s could not hand its conversations over", self.replica_id)
+            await self._hand_over(engine)
         super().__del__()
-
-    async def _drain(self) -> None:
-        context = serve.get_replica_context()
-        if not await asyncio.to_thread(_peers_running, context.app_name, context.deployment):
-            logger.info("decode replica %s stops with no running peer: nothing to move", self.replica_id)
-            return
-        store = StoreClient.of_deployment(
-            serve.get_deployment_handle(STORE_DEPLOYMENT, context.app_name), store_settings(self._cfg)
-        )
-        peers = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=True)
-
-        async def move(request: EngineRequest) -> tuple[EngineChunk | None, str | None]:
-            return await last_of(peers.generate.remote(request))
-
-        await Drain(self._cfg, self.info().engine_id, self.replica_id, store, move).run()

@@ -299,9 +299,22 @@ class ReplicaStreams:
         self.streams = 0
         self.seconds_per_token = Ewma()
         self.late = LateTokens(itl_target_s, late_fraction)
+        self.last_end: float | None = None
+        """When (monotonic seconds) its last stream ended."""
         self._joined: deque[float] = deque()
         """When streams started there that joined others already streaming (monotonic
         seconds, the last `JOINED_WINDOW_S`)."""
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since its last stream ended (0 while one streams; inf if none ever did)."""
+        if self.streams > 0:
+            return 0.0
+        return now - self.last_end if self.last_end is not None else math.inf
+
+    def forgive(self) -> None:
+        """Start a fresh record of late outputs (an idle replica's old ones no longer say
+        what its streams would get now)."""
+        self.late = LateTokens(self.late.target_s, self.late.fraction)
 
     def started(self, now: float) -> None:
         """A stream got its first output at `now` (monotonic seconds)."""
@@ -373,6 +386,7 @@ class DecodeStreams:
         finally:
             if counted is not None:
                 counted.streams -= 1
+                counted.last_end = time.monotonic()
 
 
 class _WatchedClients:

@@ -175,24 +175,28 @@ def place_hosted(
     new_tokens: int, host: DecodeLoad, limits: Limits, context: int = 0, pace: float | None = None
 ) -> Placement:
     """Where a turn of a session a prefill replica hosts goes: computed and streamed there
-    (`Reason.HOSTED`) while its streams can afford it, else through prefill as any P/D turn
-    (the leg runs on that replica over the history it caches, and decode takes the session
-    over; at once once the streams it hosted came late beyond their share). Its first
-    token never comes sooner through prefill (the leg runs on the same engine, and a
-    hand-off follows), so only the streams and `Reason.TOO_LONG` decide.
-    `pace`: seconds per prompt token there while `host` has none measured (the prefill
-    pool's)."""
+    (`Reason.HOSTED`), unless the streams it hosted came late beyond their share
+    (`Reason.ITL`) or the turn is longer than decode is ever given (`Reason.TOO_LONG`);
+    then through prefill as any P/D turn (the leg runs on that replica over the history it
+    caches, and decode takes the session over). The turn's own stall is not a reason to
+    leave: its leg would run on the same engine and stall the same streams, and its first
+    token would come later (a hand-off follows). What it is expected to make late is still
+    priced (`late_outputs`, reserved from the budget until its first token). `pace`:
+    seconds per prompt token there while `host` has none measured (the prefill pool's)."""
     if new_tokens > max(limits.short_tokens, limits.max_tokens):
         return Placement(False, Reason.TOO_LONG)
     measured = host.seconds_per_token if host.seconds_per_token is not None else pace
-    stream_step, late, over = _streams_cost(
+    stream_step, late, _ = _streams_cost(
         new_tokens, measured, host.seconds_per_context, host, limits, context
     )
-    # Streams it hosted came late beyond their share (the prefill legs stretch its steps
-    # too): a turn streamed there now would as well, whether or not others stream there.
-    over = over or host.late_budget < 0
+    # Late beyond their share: the prefill legs stretch its steps (the fleet's load has
+    # grown past hosting), or its own turns do; either way its sessions go to decode.
+    stay = host.late_budget >= 0
     return Placement(
-        not over, Reason.ITL if over else Reason.HOSTED, stream_step_s=stream_step, late_outputs=late
+        stay,
+        Reason.HOSTED if stay else Reason.ITL,
+        stream_step_s=stream_step,
+        late_outputs=late if stay else 0,
     )
 
 

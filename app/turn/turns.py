@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -45,6 +46,10 @@ from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
 from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
+
+HOST_RETRY_S = 10.0
+"""A prefill replica whose hosted streams came late may host again once it has streamed
+nothing this long (`Turns._hosting_prefill`)."""
 
 
 class Turns:
@@ -313,13 +318,23 @@ class Turns:
         return replica if self._clients.hosts_on_prefill(replica) else None
 
     def _hosting_prefill(self) -> str | None:
-        """A prefill replica to host a new session (`transfer.prefill_hosts`): of the
-        running ones whose streams are within their late budget, the least loaded (streams,
-        then prompt tokens: its hosted turns' and the prefill legs'), when no decode replica
-        is less loaded. None: decode takes the session, as without hosting."""
+        """A prefill replica to host a new session (`transfer.prefill_hosts`): the least
+        loaded replica of both pools (streams, then prompt tokens in flight: its own turns'
+        and, on prefill, the legs'; at random among equals, as data-parallel engines share
+        sessions out), when that is a prefill replica whose streams are within their late
+        budget. None: decode takes the session, as without hosting. A prefill replica whose
+        streams came late and that has streamed nothing for `HOST_RETRY_S` starts a fresh
+        record: it may host again, and hands the session back if its streams come late."""
         if not self._cfg.prefill_hosts:
             return None
-        hosts = [r for r in self._clients.prefill_replicas() or () if self.streams.of(r).late.budget >= 0]
+        now = time.monotonic()
+        hosts = []
+        for replica in self._clients.prefill_replicas() or ():
+            streams = self.streams.of(replica)
+            if streams.late.budget < 0 and streams.idle_for(now) >= HOST_RETRY_S:
+                streams.forgive()
+            if streams.late.budget >= 0:
+                hosts.append(replica)
         if not hosts:
             return None
 
@@ -328,9 +343,10 @@ class Turns:
             legs = self.pace.tokens_in_flight if replica in hosts else 0
             return self.streams.of(replica).streams, legs + (pace.tokens_in_flight if pace else 0)
 
-        host = min(hosts, key=load)
-        decode = self._least_loaded_decode()
-        return host if decode is None or load(host) <= load(decode) else None
+        candidates = hosts + sorted(self._clients.decode_replicas() or ())
+        least = min(load(r) for r in candidates)
+        chosen = random.choice(sorted(r for r in candidates if load(r) == least))
+        return chosen if chosen in hosts else None
 
     def _place_hosted(self, host: str, new_tokens: int, context: int) -> Placement:
         """`app.turn.placement.place_hosted` on a prefill replica, with its hosted turns and

@@ -4,7 +4,9 @@ its own prefix cache, as one engine would; a turn it cannot afford (here, one pa
 decode-local turns may compute) goes through an ordinary P/D leg on that replica, over
 the history it caches, and the decode engine reads the whole prompt and takes the
 session over. Greedy tokens equal a recomputing engine's throughout; the engines' own
-counters say who computed what, and no block stays pinned on the prefill engine."""
+counters say who computed what, and no block stays pinned on the prefill engine. A
+prefill replica that stops (a downscale) hands the sessions it hosts to decode over
+NIXL, as a stopping decode replica does."""
 
 from __future__ import annotations
 
@@ -14,9 +16,17 @@ import pytest
 
 from tests.conftest import pd_config
 from tests.e2e.helpers import SYSTEM, chat, delta, engine_stats, kv_stats, reference_tokens
+from tests.e2e.test_scaling import _replicas
 
 APP = "host"
 BUSY_LIMIT = 128
+SETTINGS = {
+    "decode.num_replicas": 1,
+    "prefill.enable_prefix_caching": True,
+    "transfer.prefill_hosts": True,
+    "transfer.decode_local_tokens": 48,
+    "transfer.decode_local_busy_tokens": BUSY_LIMIT,
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,32 +35,21 @@ def host(apps):
 
     from app.builder import build
 
-    cfg = pd_config(
-        app_name=APP,
-        **{
-            "decode.num_replicas": 1,
-            "prefill.enable_prefix_caching": True,
-            "transfer.prefill_hosts": True,
-            "transfer.decode_local_tokens": 48,
-            "transfer.decode_local_busy_tokens": BUSY_LIMIT,
-        },
-    )
+    cfg = pd_config(app_name=APP, **{**SETTINGS, "prefill.num_replicas": 2})
     assert cfg.prefill_hosts
     serve.run(build(cfg), name=APP, route_prefix="/" + APP)
     yield {"url": apps["url"] + "/" + APP, "cfg": cfg}
     serve.delete(APP)
 
 
-def _stats():
-    return engine_stats("PrefillServer", app=APP), engine_stats("DecodeServer", app=APP)
-
-
-def _prefill_pins() -> int:
+def _prefill_pins(replica: str) -> int:
     from ray import serve
 
     from app.engines.wire import ReplicaQuery
 
-    blocks = serve.get_deployment_handle("PrefillServer", APP).kv_blocks.remote(ReplicaQuery()).result()
+    handle = serve.get_deployment_handle("PrefillServer", APP)
+    blocks = handle.kv_blocks.remote(ReplicaQuery(replica)).result()
+    assert blocks["replica_id"] == replica
     return blocks["pinned_requests"]
 
 
@@ -62,11 +61,20 @@ def test_a_prefill_replica_hosts_a_session_then_hands_it_to_decode(apps, host):
         {"role": "user", "content": "Look at the logs and the build. " * 3},
     ]
 
-    # Turn 1: the idle prefill replica hosts the new session; decode computes nothing.
-    p0, d0 = _stats()
+    # Turn 1: an idle prefill replica hosts the new session; decode computes nothing.
+    prefills = _replicas("PrefillServer", 2, app=APP)
+    before = {r: engine_stats("PrefillServer", r, app=APP) for r in prefills}
+    d0 = engine_stats("DecodeServer", app=APP)
     r1 = chat(url, messages, session="host-1", max_tokens=16, stream=True)
     assert len(r1.prompt_token_ids) <= BUSY_LIMIT
     assert r1.kvturn["placement"] == "hosted"
+    hosting = r1.kvturn["decode_replica"]
+    assert hosting in prefills
+
+    def _stats():
+        return engine_stats("PrefillServer", hosting, app=APP), engine_stats("DecodeServer", app=APP)
+
+    p0 = before[hosting]
     p1, d1 = _stats()
     assert delta(p1, p0)["prompt_tokens_computed"] >= len(r1.prompt_token_ids) - block
     assert delta(d1, d0)["prompt_tokens_total"] == 0, "the decode engine got no request"
@@ -119,6 +127,53 @@ def test_a_prefill_replica_hosts_a_session_then_hands_it_to_decode(apps, host):
     # Nothing stays pinned on the prefill engine: the hosted turns' blocks were released
     # when the session left, the leg's were read by decode.
     deadline = time.monotonic() + 10
-    while _prefill_pins() and time.monotonic() < deadline:
+    while _prefill_pins(hosting) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _prefill_pins() == 0
+    assert _prefill_pins(hosting) == 0
+
+
+def test_a_stopping_prefill_replica_hands_its_sessions_to_decode(apps, host):
+    """One prefill replica fewer (a redeploy that changes only the count: no restart):
+    the removed one hands the sessions it hosts to the decode replica over NIXL before
+    its engine ends, so their next turns reuse the whole history there; the survivor's
+    sessions stay hosted on it."""
+    from ray import serve
+
+    from app.builder import build
+
+    url, block = host["url"], host["cfg"].block_size
+    prefills = _replicas("PrefillServer", 2, app=APP)
+    (decode,) = _replicas("DecodeServer", 1, app=APP)
+    on: dict[str, list[str]] = {r: [] for r in prefills}
+    sessions = {}
+    # New sessions land on either idle prefill replica, a coin toss: open them until each
+    # hosts at least one.
+    for i in range(16):
+        if min(map(len, on.values())) >= 1:
+            break
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Drain test {i}: " * 6}]
+        reply = chat(url, msgs, session=f"hdrain-{i}", max_tokens=12)
+        assert reply.kvturn["placement"] == "hosted", reply.kvturn
+        msgs.append({"role": "assistant", "content": reply.text})
+        sessions[f"hdrain-{i}"] = (msgs, reply)
+        on[reply.kvturn["decode_replica"]].append(f"hdrain-{i}")
+    assert min(map(len, on.values())) >= 1, on
+    read_before = engine_stats("DecodeServer", decode, app=APP)
+
+    serve.run(build(pd_config(app_name=APP, **SETTINGS)), name=APP, route_prefix="/" + APP)
+    (survivor,) = _replicas("PrefillServer", 1, app=APP)
+    assert _replicas("DecodeServer", 1, app=APP) == {decode}
+    (removed,) = prefills - {survivor}
+    histories = {s: len(r.prompt_token_ids) + len(r.token_ids) - 1 for s, (_, r) in sessions.items()}
+    read = delta(engine_stats("DecodeServer", decode, app=APP), read_before)
+    assert read["prompt_tokens_external"] >= sum(histories[s] - block for s in on[removed]), read
+    store = [shard["counts"] for shard in kv_stats(url)["store"]["shards"]]
+    assert sum(c.get("moved", 0) for c in store) >= len(on[removed]), store
+
+    for session, (msgs, _) in sessions.items():
+        nxt = chat(url, msgs + [{"role": "user", "content": "Go on."}], session=session, max_tokens=12)
+        where = decode if session in on[removed] else survivor
+        assert nxt.kvturn["miss_reason"] is None and nxt.kvturn["decode_replica"] == where, nxt.kvturn
+        cached = nxt.usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= histories[session] - block, (session, nxt.usage, nxt.kvturn)
+        assert nxt.token_ids == reference_tokens(apps["url"], nxt.prompt_token_ids, len(nxt.token_ids))
