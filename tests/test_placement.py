@@ -373,7 +373,7 @@ def config(**transfer) -> AppConfig:
     return AppConfig.from_args({"model": "m", "max_model_len": 4096, "transfer": transfer})
 
 
-def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_do_not():
+def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_only_when_hosting():
     from app.engines.setup import decode_chunking, decode_prompt_chunk
 
     cfg = config(decode_chunk_tokens=192)
@@ -386,6 +386,11 @@ def test_decode_engines_compute_prompts_in_chunks_and_prefill_engines_do_not():
     # The role as a Serve replica gets it (its constructor arguments in one pickle).
     bound, role = pickle.loads(pickle.dumps((cfg, cfg.decode)))
     assert decode_chunking(bound, role)["long_prefill_token_threshold"] == 192
+    # A prefill engine that hosts sessions streams answers too: it chunks as decode does.
+    hosts = config(decode_chunk_tokens=192, prefill_hosts=True)
+    assert hosts.prefill_hosts and decode_chunking(hosts, hosts.prefill) == decode_chunking(
+        hosts, hosts.decode
+    )
 
 
 def test_chunking_follows_the_roles_own_engine_args_and_can_be_off():

@@ -10,8 +10,9 @@ from collections import Counter
 
 import pytest
 
+from app.turn.pacing import DecodeStreams
 from app.turn.placement import DecodeLoad, Limits, Placement, Reason, place_hosted
-from app.turn.turns import HOST_RETRY_S
+from app.turn.replicas import HOST_RETRY_S, hosting_replica
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import TurnOutcome
 from tests.test_turns import MAX_TOKENS, P1, USER2, USER3, FakeEngines, Rig, enc, expected_answer
@@ -166,3 +167,25 @@ def test_a_hosted_turn_stays_until_its_streams_come_late_beyond_their_share():
     unmeasured = DecodeLoad(seconds_per_token=None, streams=2, seconds_per_step=0.03, late_budget=1)
     assert place_hosted(300, unmeasured, LIMITS, pace=1e-3).late_outputs == 2
     assert place_hosted(300, unmeasured, LIMITS, pace=1e-5).late_outputs == 0
+
+
+def test_prefill_legs_in_flight_end_hosting():
+    # The regime rule: while prefill runs legs it is needed for them, which would stall
+    # the streams it hosts: a hosted session goes to decode, and no new one is hosted.
+    idle = DecodeLoad(seconds_per_token=1e-3)
+    assert place_hosted(30, idle, LIMITS, legs_in_flight=0).reason is Reason.HOSTED
+    assert place_hosted(30, idle, LIMITS, legs_in_flight=1).reason is Reason.ITL
+    streams = DecodeStreams()
+    last = lambda replicas: sorted(replicas)[-1]  # noqa: E731  # prefill-0 among equals
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 0.0, last) == HOST
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 500, 0.0, last) is None
+    # A decode replica less loaded takes the session.
+    streams.of(HOST).streams = 1
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 0.0, last) is None
+    streams.of(HOST).streams = 0
+    # Late beyond their share: no new session until it has streamed nothing HOST_RETRY_S.
+    for _ in range(50):
+        streams.of(HOST).late.observe(1.0)
+    streams.of(HOST).last_end = 100.0
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 105.0, last) is None
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 100.0 + HOST_RETRY_S, last) == HOST

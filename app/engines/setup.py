@@ -137,14 +137,16 @@ context) when a role's `engine_kwargs` set none."""
 
 def decode_chunking(cfg: AppConfig, role: EngineRoleConfig) -> dict[str, int]:
     """Chunked-prefill arguments of a decode engine in the P/D modes (`role is cfg.decode`,
-    as the builder binds it): a prompt computed there (a decode-local turn, a recompute)
+    as the builder binds it; a prefill engine too where it hosts sessions,
+    `transfer.prefill_hosts`): a prompt computed there (a decode-local turn, a recompute)
     takes at most `transfer.decode_chunk_tokens` tokens a step, and a step has room for one
     token of every running stream besides (`max_num_batched_tokens`), so each step that
     computes a prompt grows by a bounded amount (`app.turn.placement` prices it). Empty for
     other engines, with `decode_chunk_tokens` 0, and where `engine_kwargs` set either."""
     chunk = min(cfg.transfer.decode_chunk_tokens, cfg.max_model_len)
     own = ("long_prefill_token_threshold", "max_num_batched_tokens")
-    if role is not cfg.decode or not cfg.disaggregated or chunk <= 0:
+    streams = role is cfg.decode or (role is cfg.prefill and cfg.prefill_hosts)  # it streams answers
+    if not streams or not cfg.disaggregated or chunk <= 0:
         return {}
     if any(key in role.engine_kwargs for key in own):
         return {}

@@ -67,7 +67,11 @@ class ServeEngineClients:
         return self._decode_live.alive(replica_id)
 
     async def decode_stopping(self, replica_id: str) -> bool:
-        return await self._decode_live.stopping(replica_id)
+        """Whether the session's replica, out of the running set, still lives (Serve drains
+        it): a decode replica, or a prefill replica that hosted sessions."""
+        if await self._decode_live.stopping(replica_id):
+            return True
+        return self._prefill_live is not None and await self._prefill_live.stopping(replica_id)
 
     def decode_replicas(self) -> frozenset[str] | None:
         return self._decode_live.running()

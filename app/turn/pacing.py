@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from app.engines.wire import EngineChunk, EngineRequest
@@ -437,22 +436,3 @@ def loads(
         streams.joined_per_s(time.monotonic() if now is None else now),
     )
     return pool, replica
-
-
-def least_loaded(
-    replicas: Collection[str],
-    streams: DecodeStreams,
-    paces: Mapping[str, LegPace],
-    choice: Callable[[Sequence[str]], str] = random.choice,
-) -> str | None:
-    """Of `replicas`, one with the fewest streams, then prompt tokens in flight (by
-    `choice` among equals); None when there is none. The replica a new session is priced on."""
-    if not replicas:
-        return None
-
-    def load(replica: str) -> tuple[int, int]:
-        pace = paces.get(replica)
-        return streams.of(replica).streams, pace.tokens_in_flight if pace else 0
-
-    least = min(load(r) for r in replicas)
-    return choice(sorted(r for r in replicas if load(r) == least))

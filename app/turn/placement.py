@@ -172,11 +172,17 @@ def place(
 
 
 def place_hosted(
-    new_tokens: int, host: DecodeLoad, limits: Limits, context: int = 0, pace: float | None = None
+    new_tokens: int,
+    host: DecodeLoad,
+    limits: Limits,
+    context: int = 0,
+    pace: float | None = None,
+    legs_in_flight: int = 0,
 ) -> Placement:
     """Where a turn of a session a prefill replica hosts goes: computed and streamed there
     (`Reason.HOSTED`), unless the streams it hosted came late beyond their share
-    (`Reason.ITL`) or the turn is longer than decode is ever given (`Reason.TOO_LONG`);
+    or prefill legs are in flight (`Reason.ITL`: the regime rule, prefill is needed for
+    legs), or the turn is longer than decode is ever given (`Reason.TOO_LONG`);
     then through prefill as any P/D turn (the leg runs on that replica over the history it
     caches, and decode takes the session over). The turn's own stall is not a reason to
     leave: its leg would run on the same engine and stall the same streams, and its first
@@ -189,9 +195,9 @@ def place_hosted(
     stream_step, late, _ = _streams_cost(
         new_tokens, measured, host.seconds_per_context, host, limits, context
     )
-    # Late beyond their share: the prefill legs stretch its steps (the fleet's load has
-    # grown past hosting), or its own turns do; either way its sessions go to decode.
-    stay = host.late_budget >= 0
+    # Prefill legs in flight (the fleet's load has grown past hosting: they would stretch
+    # its streams' steps), or its streams late beyond their share: its sessions go to decode.
+    stay = host.late_budget >= 0 and legs_in_flight <= 0
     return Placement(
         stay,
         Reason.HOSTED if stay else Reason.ITL,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -40,16 +39,13 @@ from app.fleet.memory import DecodeMemory
 from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled, record_engine_timings
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
-from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, least_loaded, loads
+from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, loads
 from app.turn.placement import Limits, Placement, Reason, place, place_hosted, place_static
+from app.turn.replicas import hosting_replica, least_loaded
 from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
 from connector.handle import KVHandle, WireError, local_decode_params
 from connector.store import Claim, Conversation, TurnOutcome, restrict
-
-HOST_RETRY_S = 10.0
-"""A prefill replica whose hosted streams came late may host again once it has streamed
-nothing this long (`Turns._hosting_prefill`)."""
 
 
 class Turns:
@@ -318,45 +314,29 @@ class Turns:
         return replica if self._clients.hosts_on_prefill(replica) else None
 
     def _hosting_prefill(self) -> str | None:
-        """A prefill replica to host a new session (`transfer.prefill_hosts`): the least
-        loaded replica of both pools (streams, then prompt tokens in flight: its own turns'
-        and, on prefill, the legs'; at random among equals, as data-parallel engines share
-        sessions out), when that is a prefill replica whose streams are within their late
-        budget. None: decode takes the session, as without hosting. A prefill replica whose
-        streams came late and that has streamed nothing for `HOST_RETRY_S` starts a fresh
-        record: it may host again, and hands the session back if its streams come late."""
+        """A prefill replica to host a new session (`app.turn.replicas.hosting_replica`), or
+        None: decode takes it, as without hosting."""
         if not self._cfg.prefill_hosts:
             return None
-        now = time.monotonic()
-        hosts = []
-        for replica in self._clients.prefill_replicas() or ():
-            streams = self.streams.of(replica)
-            if streams.late.budget < 0 and streams.idle_for(now) >= HOST_RETRY_S:
-                streams.forgive()
-            if streams.late.budget >= 0:
-                hosts.append(replica)
-        if not hosts:
-            return None
-
-        def load(replica: str) -> tuple[int, int]:
-            pace = self.local_pace.get(replica)
-            legs = self.pace.tokens_in_flight if replica in hosts else 0
-            return self.streams.of(replica).streams, legs + (pace.tokens_in_flight if pace else 0)
-
-        candidates = hosts + sorted(self._clients.decode_replicas() or ())
-        least = min(load(r) for r in candidates)
-        chosen = random.choice(sorted(r for r in candidates if load(r) == least))
-        return chosen if chosen in hosts else None
+        return hosting_replica(
+            self._clients.prefill_replicas() or (),
+            self._clients.decode_replicas() or (),
+            self.streams,
+            self.local_pace,
+            self.pace.tokens_in_flight,
+            time.monotonic(),
+        )
 
     def _place_hosted(self, host: str, new_tokens: int, context: int) -> Placement:
         """`app.turn.placement.place_hosted` on a prefill replica, with its hosted turns and
         streams as this ingress measured them and the prefill legs in flight (they stretch
-        its streams' steps too); its prompt steps are not chunked by the app."""
+        its streams' steps too); its engine computes prompts in the decode engines' chunks
+        (`app.engines.setup.decode_chunking`)."""
         prefill, load = loads(self.pace, self.streams.handoff, self._local_pace(host), self.streams.of(host))
         assert load is not None
         load = dataclasses.replace(load, tokens_in_flight=load.tokens_in_flight + self.pace.tokens_in_flight)
-        limits = dataclasses.replace(self._limits, chunk_tokens=0)
-        return place_hosted(new_tokens, load, limits, context, prefill.seconds_per_token)
+        legs = self.pace.tokens_in_flight
+        return place_hosted(new_tokens, load, self._limits, context, prefill.seconds_per_token, legs)
 
     def _least_loaded_decode(self) -> str | None:
         """Of the running decode replicas, one with the fewest streams and prompt tokens in
