@@ -48,7 +48,7 @@ def test_every_turn_is_answered_and_the_engines_end_empty(mode):
     # What the turns say they computed is what the engines computed.
     assert sum(t.computed_tokens for t in run.turns) == run.computed_tokens
     answers = sum(t.answer_tokens for s in trace.sessions for t in s.turns)
-    assert sum(e.stats.decoded_tokens for e in fleet.decode) == answers
+    assert sum(e.stats.decoded_tokens for e in engines) == answers  # bidir-host: prefill's hosted turns
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -141,6 +141,23 @@ def test_pins_stay_within_the_apps_budget():
     assert fleet.store.counts["evicted_for_blocks"] > 0
     # Evicted conversations recompute through prefill.
     assert any(t.route == "prefill-recompute" and t.turn > 1 for t in run.turns)
+
+
+def test_a_prefill_replica_hosts_sessions_then_hands_them_to_decode():
+    # Sessions one after another: an idle fleet, where the prefill replica hosts some.
+    fleet, run = _run("bidir-host", replace(SHAPE, arrival_rate_per_s=0.2).generate())
+    hosted = [t for t in run.turns if t.route == "local:hosted"]
+    assert hosted and run.placements["hosted"] == len(hosted)
+    assert fleet.prefill[0].stats.decoded_tokens > 0
+    # Streams on the prefill replica come late once its legs stretch its steps: every
+    # session it hosts then goes to decode through a leg over the history it caches.
+    late = replace(SHAPE, sessions=16, arrival_rate_per_s=8.0)
+    fleet, run = _run(
+        "bidir-host", late.generate(), placement="priced", transfer=(("itl_late_fraction", 0.0),)
+    )
+    handed = [t for t in run.turns if t.route == "handoff"]
+    assert handed and all(t.computed_tokens < t.prompt_tokens for t in handed)  # its cache held the history
+    assert fleet.store is not None and fleet.store.stats()["open_leases"] == 0
 
 
 def test_store_settles_every_claim():
@@ -301,7 +318,7 @@ def test_the_study_compares_the_default_with_dp_where_both_meet(capsys):
     from bench.sim.study import compare
 
     compared = compare(cpu_fleet(), shape)
-    assert set(compared) == {"dp", "bidir", "bidir-pd"}
+    assert set(compared) == {"dp", "bidir", "bidir-host", "bidir-pd"}
     text = format_compare(compared)
     assert "goodput" in text and "| dp | 4 |" in text
     assert all(
@@ -322,7 +339,7 @@ def test_the_study_runs_from_the_command_line_with_the_profiles_kv(tmp_path, cap
     assert "goodput (turns/s)" in capsys.readouterr().out
     study = json.loads(out.read_text())["study"]
     assert study["profile"] == "fleet-32k" and study["cores"] == 0
-    assert set(study["modes"]) == {"dp", "bidir", "bidir-pd"}
+    assert set(study["modes"]) == {"dp", "bidir", "bidir-host", "bidir-pd"}
     assert all(lv["agents"] in (4, 8, 16) for run in study["modes"].values() for lv in run["levels"])
 
 

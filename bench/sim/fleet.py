@@ -42,7 +42,7 @@ from connector.store import TurnOutcome
 TurnProcess = Generator[Any, Any, None]
 """A simpy process (or part of one) of a turn."""
 
-MODES = ("dp", "oneway", "bidir", "bidir-pd", "bidir-nopin")
+MODES = ("dp", "oneway", "bidir", "bidir-pd", "bidir-nopin", "bidir-host")
 PD_MODES = MODES[1:]
 
 
@@ -77,7 +77,8 @@ class TurnResult:
     computed_tokens: int
     ttft_s: float
     route: str
-    """"local:<reason>", "prefill" (pulled), "prefill-recompute", or "single"."""
+    """"local:<reason>", "prefill" (pulled), "prefill-recompute", "handoff" (a hosting prefill
+    replica's leg over its own cache), or "single"."""
     start_s: float
     end_s: float = 0.0
     engine_s: float = 0.0
@@ -141,6 +142,7 @@ class Fleet:
         transfer: dict[str, Any] = {"placement": spec.placement, **dict(spec.transfer)}
         if spec.mode == "bidir-pd":
             transfer.update(decode_local_tokens=0, decode_local_busy_tokens=0)
+        self.hosts = spec.mode == "bidir-host"  # prefill replicas host sessions (prefill_hosts)
         self.transfer = policy.transfer_config(**transfer)
         # The app's per-request prompt chunk on decode engines (`transfer.decode_chunk_tokens`
         # where the app has it; the static rule ran without it).
@@ -150,21 +152,24 @@ class Fleet:
         self.cpu = HostCpu(self.env, hw.cores, hw.host_cpu_per_turn_s) if hw.cores else None
         prefill = 0 if spec.mode == "dp" else spec.prefill
         wait = hw.step_wait_s if spec.mode == "dp" else hw.step_wait_nixl_s  # P/D engines: the connector
+        chunk = decode_chunk if self.hosts else 0  # a hosting prefill engine chunks as decode's do
         self.prefill = [
-            Engine(self.env, cost, f"p{i}", hw.block_size, cpu=self.cpu, step_wait_s=wait)
+            Engine(self.env, cost, f"p{i}", hw.block_size, chunk, cpu=self.cpu, step_wait_s=wait)
             for i in range(prefill)
         ]
         self.decode = [
             Engine(self.env, cost, f"d{i}", hw.block_size, decode_chunk, cpu=self.cpu, step_wait_s=wait)
             for i in range(spec.decode)
         ]
+        hosting = self.decode + (self.prefill if self.hosts else [])
         if spec.mode != "dp":
-            for e in self.decode:
+            for e in hosting:
                 e.on_outputs = self._outputs_of(e.name)
-        self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size) for e in self.decode}
-        self.store = policy.make_store(clock, hw.block_size) if spec.mode in ("bidir", "bidir-pd") else None
+        self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size) for e in hosting}
+        stored = spec.mode in ("bidir", "bidir-pd", "bidir-host")
+        self.store = policy.make_store(clock, hw.block_size) if stored else None
         if self.store is not None:
-            for e in self.decode:
+            for e in hosting:
                 self.store.set_engine_capacity(e.name, hw.kv_blocks)
         self._affinity: dict[str, Engine] = {}
         self._result = RunResult()
@@ -332,8 +337,18 @@ class Fleet:
                     history = 0
         elif mode == "bidir-nopin" and replica is not None:
             history = min(self.caches[replica.name].hit(session), prompt - 1)
-        reason = None
-        if mode != "oneway":
+        reason, host = None, None
+        if self.hosts and (replica is None or replica in self.prefill):
+            names = [e.name for e in self.prefill]
+            hosted = replica.name if replica else self.placement.hosting(names, [e.name for e in self.decode])
+            host = next((e for e in self.prefill if e.name == hosted), None)
+            if host is not None:
+                reason = self.placement.place_hosted(prompt - history, host.name, history)
+                if reason or replica is not None:  # hosted, or handed to decode
+                    self._affinity[session] = host if reason else self._least_loaded(self.decode)
+                else:  # a new session the host cannot afford: priced on decode, as any
+                    host = None
+        if mode != "oneway" and host is None:
             new = prompt - history if history and replica is not None else prompt
             priced_on = replica.name if replica is not None else None
             if priced_on is None and self.spec.placement == "priced":
@@ -348,8 +363,10 @@ class Fleet:
             job = yield from self._local_leg(target, prompt, prompt - history, answer, record, reason)
             outcome = TurnOutcome.UNUSED
         else:
-            # Only a claimed handle can be pulled (bidir-nopin's history is decode's cache).
-            pulled = yield from self._prefill_leg(prompt, history if claim is not None else 0, record)
+            # Only a claimed handle can be pulled (bidir-nopin's history is decode's cache);
+            # a hosting prefill replica's leg runs there over its own cache (the hand-off).
+            pulled = yield from self._prefill_leg(prompt, history if claim is not None else 0, record, host)
+            pulled = pulled and host is None
             outcome = TurnOutcome.PULLED if pulled else TurnOutcome.UNUSED
             target = self._decode_of(session)
             holds = history if (pulled and target is replica) else 0
@@ -367,7 +384,7 @@ class Fleet:
             store.end_turn(claim.lease_id, outcome, conv, engine_blocks=hw.kv_blocks)
             store.take_releases()
             self._result.store_calls += 1
-            pinned = max(store.pinned_blocks(e.name) for e in self.decode)
+            pinned = max(store.pinned_blocks(e.name) for e in self.decode + self.prefill)
             self._result.peak_pinned_blocks = max(self._result.peak_pinned_blocks, pinned)
         self.caches[target.name].insert(session, prompt + answer, target.blocks_in_use * hw.block_size)
 
@@ -385,21 +402,25 @@ class Fleet:
         first()(new)
         return job
 
-    def _prefill_leg(self, prompt: int, history: int, record: TurnResult) -> Generator[Any, Any, bool]:
-        """Hop to the least loaded prefill engine, pull `history` (if any), compute the rest."""
+    def _prefill_leg(
+        self, prompt: int, history: int, record: TurnResult, host: Engine | None = None
+    ) -> Generator[Any, Any, bool]:
+        """Hop to the least loaded prefill engine, pull `history` (if any), compute the rest;
+        to `host` instead, which caches the history (nothing to read)."""
         hw = self.spec.hw
+        history = min(self.caches[host.name].hit(record.session), prompt - 1) if host else history
         new = prompt - history
         end = self.placement.prefill_leg(new, history)
-        engine = self._least_loaded(self.prefill)
+        engine = host or self._least_loaded(self.prefill)
         yield self.env.timeout(self._host_s(hw.hop_s))
-        read = hw.link.transfer_s(history, hw.kv_bytes_per_token)
+        read = hw.link.transfer_s(history, hw.kv_bytes_per_token) if host is None else 0.0
         job = engine.submit(Job(new, history, 0, read_s=read))
         yield job.done
         record.prefill_s = self.env.now - job.submitted_at
         yield self.env.timeout(self._host_s(hw.leg_s))
         end(new)
         record.computed_tokens = new
-        record.route = "prefill" if history else "prefill-recompute"
+        record.route = "handoff" if host else "prefill" if history else "prefill-recompute"
         return bool(history)
 
     def _stream(self, target: Engine, job: Job) -> TurnProcess:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from app import config
 from app.turn import pacing, placement
+from app.turn.replicas import hosting_replica, least_loaded
 from bench.sim.costs import Jitter
 from connector.handle import KVHandle, Location
 from connector.store import Conversation, HandleStore
@@ -90,7 +92,7 @@ class PlacementState:
     def least_loaded(self, replicas: list[str]) -> str | None:
         """`Turns._least_loaded_decode`: the replica with the fewest streams, then prompt
         tokens in flight (at random among equals, seeded)."""
-        return pacing.least_loaded(replicas, self.streams, self.local, self._rng.choice)
+        return least_loaded(replicas, self.streams, self.local, self._rng.choice)
 
     def place(self, new_tokens: int, replica: str | None, context: int = 0) -> str | None:
         """Why the turn skips prefill, or None: the app's decision (the one seam), from
@@ -106,6 +108,30 @@ class PlacementState:
         decided = policy(new_tokens, prefill, decode, limits, context)
         self.placed[str(decided.reason)] += 1
         return str(decided.reason) if decided.local else None
+
+    def place_hosted(self, new_tokens: int, replica: str, context: int = 0) -> str | None:
+        """`place` for a session a prefill replica hosts (`Turns._place_hosted`): "hosted",
+        or None (through prefill, to decode)."""
+        t = self.transfer
+        limits = placement.Limits(
+            t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
+        )
+        pool, load = pacing.loads(
+            self.prefill, self.handoff, self.local_pace(replica), self.streams.of(replica), self._clock()
+        )
+        assert load is not None
+        legs = self.prefill.tokens_in_flight
+        load = replace(load, tokens_in_flight=load.tokens_in_flight + legs)
+        decided = placement.place_hosted(new_tokens, load, limits, context, pool.seconds_per_token, legs)
+        self.placed[str(decided.reason)] += 1
+        return str(decided.reason) if decided.local else None
+
+    def hosting(self, prefill: Sequence[str], decode: Sequence[str]) -> str | None:
+        """The prefill replica that hosts a new session, or None (`app.turn.replicas.hosting_replica`)."""
+        legs = self.prefill.tokens_in_flight
+        return hosting_replica(
+            prefill, decode, self.streams, self.local, legs, self._clock(), self._rng.choice
+        )
 
     def prefill_leg(self, new_tokens: int, context: int = 0) -> Callable[[int], None]:
         """A prefill leg over `context` cached tokens starts (`app.turn.legs.Legs._paced_prefill`);

@@ -180,7 +180,7 @@ def two_engines(mode: str, hw: Hardware, **spec: Any) -> FleetSpec:
     return FleetSpec(mode, hw, decode=2 if mode == "dp" else 1, **spec)
 
 
-STUDY_MODES = ("dp", "bidir", "bidir-pd")
+STUDY_MODES = ("dp", "bidir", "bidir-host", "bidir-pd")
 """`python -m bench.sim --study`: the modes of the measured runs it is read beside."""
 
 
@@ -207,13 +207,13 @@ def compare(
     }
 
 
-def default_over_dp(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """At each level both dp and the default meet the target: the default's TTFT p50 and
+def default_over_dp(result: dict[str, Any], mode: str = "bidir") -> list[dict[str, Any]]:
+    """At each level both dp and `mode` (the default) meet the target: its TTFT p50 and
     p90 over dp's, per history bucket (None where a bucket is empty)."""
-    meets = {m: {lv["agents"]: lv for lv in result[m]["levels"] if lv["meets_slo"]} for m in ("dp", "bidir")}
+    meets = {m: {lv["agents"]: lv for lv in result[m]["levels"] if lv["meets_slo"]} for m in ("dp", mode)}
     rows = []
-    for agents in sorted(set(meets["dp"]) & set(meets["bidir"])):
-        dp, default = meets["dp"][agents]["buckets"], meets["bidir"][agents]["buckets"]
+    for agents in sorted(set(meets["dp"]) & set(meets[mode])):
+        dp, default = meets["dp"][agents]["buckets"], meets[mode][agents]["buckets"]
         row: dict[str, Any] = {"agents": agents}
         for name, ours in default.items():
             for q in ("ttft_p50_s", "ttft_p90_s"):
@@ -240,11 +240,13 @@ def format_compare(result: dict[str, Any]) -> str:
             )
     good = {m: (r["goodput"] or {}).get("turns_per_s") for m, r in result.items()}
     lines.append("\ngoodput (turns/s): " + ", ".join(f"{m} {g}" for m, g in good.items()))
-    rows = default_over_dp(result)
-    if rows:
+    for mode in ("bidir", "bidir-host"):
+        rows = default_over_dp(result, mode) if mode in result else []
+        if not rows:
+            continue
         names = [k for k in rows[0] if k != "agents" and any(row[k] is not None for row in rows)]
         lines += [
-            "\nThe default over dp, at each level both meet:\n",
+            f"\n{mode} over dp, at each level both meet:\n",
             "| agents | " + " | ".join(names) + " |",
         ]
         lines.append("| ---: |" + " ---: |" * len(names))
