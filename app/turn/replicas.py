@@ -62,12 +62,5 @@ def hosting_replica(
             hosts.append(replica)
     if not hosts:
         return None
-
-    def load(replica: str) -> tuple[int, int]:
-        pace = paces.get(replica)
-        return streams.of(replica).streams, pace.tokens_in_flight if pace else 0
-
-    candidates = hosts + list(decode)
-    least = min(load(r) for r in candidates)
-    chosen = choice(sorted(r for r in candidates if load(r) == least))
+    chosen = least_loaded(hosts + list(decode), streams, paces, choice)
     return chosen if chosen in hosts else None

@@ -90,7 +90,7 @@ class Turns:
             route, replica, placement = self._route(prompt_ids, history, conv)
             legged = Prefilled()
             if route is Route.PREFILL:
-                host = self._prefill_host(conv)
+                host = self._prefill_host(conv.decode_replica if conv is not None else None)
                 if host is not None and history is not None:
                     # A prefill replica hosts the session: its leg runs there over the
                     # history that replica caches (no pull), and decode takes the session over.
@@ -305,10 +305,9 @@ class Turns:
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
         return placement, replica
 
-    def _prefill_host(self, where: Conversation | str | None) -> str | None:
-        """The prefill replica that hosts a session (`where`: its conversation, or its
-        replica), if one does (`transfer.prefill_hosts`)."""
-        replica = where.decode_replica if isinstance(where, Conversation) else where
+    def _prefill_host(self, replica: str | None) -> str | None:
+        """`replica` (a session's), if it is a prefill replica that hosts sessions
+        (`transfer.prefill_hosts`)."""
         if not (self._cfg.prefill_hosts and replica):
             return None
         return replica if self._clients.hosts_on_prefill(replica) else None
@@ -329,12 +328,11 @@ class Turns:
 
     def _place_hosted(self, host: str, new_tokens: int, context: int) -> Placement:
         """`app.turn.placement.place_hosted` on a prefill replica, with its hosted turns and
-        streams as this ingress measured them and the prefill legs in flight (they stretch
-        its streams' steps too); its engine computes prompts in the decode engines' chunks
-        (`app.engines.setup.decode_chunking`)."""
+        streams as this ingress measured them and the prefill legs in flight (while any
+        are, the session goes to decode); its engine computes prompts in the decode
+        engines' chunks (`app.engines.setup.decode_chunking`)."""
         prefill, load = loads(self.pace, self.streams.handoff, self._local_pace(host), self.streams.of(host))
         assert load is not None
-        load = dataclasses.replace(load, tokens_in_flight=load.tokens_in_flight + self.pace.tokens_in_flight)
         legs = self.pace.tokens_in_flight
         return place_hosted(new_tokens, load, self._limits, context, prefill.seconds_per_token, legs)
 

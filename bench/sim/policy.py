@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from app import config
@@ -121,7 +120,6 @@ class PlacementState:
         )
         assert load is not None
         legs = self.prefill.tokens_in_flight
-        load = replace(load, tokens_in_flight=load.tokens_in_flight + legs)
         decided = placement.place_hosted(new_tokens, load, limits, context, pool.seconds_per_token, legs)
         self.placed[str(decided.reason)] += 1
         return str(decided.reason) if decided.local else None

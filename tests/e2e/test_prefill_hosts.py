@@ -56,10 +56,6 @@ def _prefill_pins(replica: str) -> int:
 def test_a_prefill_replica_hosts_a_session_then_hands_it_to_decode(apps, host):
     block = host["cfg"].block_size
     url = host["url"]
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Look at the logs and the build. " * 3},
-    ]
 
     # Turn 1: an idle prefill replica hosts the new session; decode computes nothing. New
     # sessions go to one of the three idle replicas at random: sessions are opened until a
@@ -69,10 +65,10 @@ def test_a_prefill_replica_hosts_a_session_then_hands_it_to_decode(apps, host):
         before = {r: engine_stats("PrefillServer", r, app=APP) for r in prefills}
         d0 = engine_stats("DecodeServer", app=APP)
         session = f"host-{attempt}"
-        messages[1] = {
-            "role": "user",
-            "content": f"Attempt {attempt}. " + "Look at the logs and the build. " * 3,
-        }
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Attempt {attempt}. " + "Look at the logs and the build. " * 3},
+        ]
         r1 = chat(url, messages, session=session, max_tokens=16, stream=True)
         if r1.kvturn["placement"] == "hosted":
             break
