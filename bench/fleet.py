@@ -31,7 +31,7 @@ from typing import Any
 from bench.client import kv_stats, run_workload, served_model
 from bench.deploy import LocalCluster, deployed
 from bench.hostcpu import ROLES, cpu_by_role, spent
-from bench.paired import compare, format_rows
+from bench.paired import tables as paired_tables
 from bench.profiles import Profile
 from bench.record import TurnRecord
 from bench.stats import BUCKETS, bucket_name, nearest_rank, ratio
@@ -204,6 +204,7 @@ def run_mode(
                 "buckets": buckets(records, long_tools),
                 "long_tool_hops": long_tool_hops(records, long_tools),
                 "placements": placements(records),
+                "long_tools": sorted(long_tools),
                 "cpu_s": spent(cpu_before, cpu, sum(1 for r in records if r.ok)),
             }
             levels.append(level)
@@ -227,7 +228,7 @@ def ratios(modes: dict[str, dict]) -> dict[str, Any]:
     bucket at the highest level both ran, and TTFT p50 and p90 per bucket at the highest
     level both met the target (`..._met`)."""
     out: dict[str, Any] = {}
-    for mine in ("bidir", "bidir-host", "bidir-pd"):
+    for mine in ("bidir", "bidir-host", "bidir-pd", "dp-again"):
         run_b = modes.get(mine)
         if run_b is None:
             continue
@@ -375,8 +376,7 @@ def markdown(results: dict) -> str:
         for lv in run["levels"]:
             if lv.get("placements"):
                 lines.append(f"\n{mode} at {lv['agents']} agents, placements: {lv['placements']}")
-    if (paired := compare(results))[1]:
-        lines += ["", format_rows(paired[1], "bidir", "dp", paired[0])]
+    lines += paired_tables(results)
     lines += ["", "Ratios: " + json.dumps(results["ratios"])]
     return "\n".join(lines)
 

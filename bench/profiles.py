@@ -105,7 +105,7 @@ class Profile:
         """The app's config for one mode: one prefill and one decode engine (P/D modes),
         one engine (single), or two engines with session affinity and prefix caching
         (dp: `single` with two replicas, the same engine count as P/D)."""
-        if mode == DP:
+        if mode in (DP, DP_AGAIN):
             cfg = self.app_config(Mode.SINGLE.value, model_path, app_name)
             return cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"num_replicas": 2})})
         if mode == BIDIR_PD:
@@ -439,7 +439,9 @@ only decode, whatever arrives."""
 BIDIR_HOST = "bidir-host"
 """bidir whose prefill replica hosts sessions while load is low (`transfer.prefill_hosts`,
 with prefix caching on prefill)."""
-MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP, BIDIR_PD, BIDIR_HOST)
+DP_AGAIN = "dp-again"
+"""dp deployed again in the same run: each ratio against dp beside the same setup's own."""
+MODES = tuple(m.value for m in (Mode.ONEWAY, Mode.BIDIR, Mode.SINGLE)) + (DP, BIDIR_PD, BIDIR_HOST, DP_AGAIN)
 """Every mode a run can deploy."""
 DEFAULT_MODES = MODES[:3]
 """What a run deploys without `--modes`."""

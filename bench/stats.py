@@ -51,3 +51,24 @@ def span_medians(
             name: nearest_rank([v for f in group if (v := f.get(name)) is not None], 0.5) for name in SPANS
         }
     return out
+
+
+def paired_quantile_ratio(
+    pairs: Sequence[tuple[float, float]], q: float, resamples: int = 2000, seed: int = 0
+) -> tuple[float | None, float | None, float | None]:
+    """The ratio of two modes' `q` quantiles over the same turns (`pairs`: (mine, the
+    twin's) of each turn), and its 95% interval by resampling the turns (a paired
+    bootstrap: both modes' quantiles over the same resampled turns); Nones for no pairs.
+    How far a ratio of a level's few turns may move from run to run on the same load."""
+    if not pairs:
+        return None, None, None
+    import random
+
+    def at(sample: Sequence[tuple[float, float]]) -> float:
+        a, b = nearest_rank((p[0] for p in sample), q), nearest_rank((p[1] for p in sample), q)
+        assert a is not None and b
+        return a / b
+
+    rng = random.Random(seed)
+    spread = sorted(at(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
+    return at(pairs), spread[int(0.025 * resamples)], spread[int(0.975 * resamples) - 1]

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bench.paired import by_reason, compare, format_rows
+from bench.paired import by_bucket, by_reason, compare, format_rows, tables
+from bench.stats import paired_quantile_ratio
 
 
 def turn(session, index, ttft, prompt=1500, cached=1000, placement=None, ok=True):
@@ -63,3 +64,47 @@ def test_the_level_is_the_highest_both_met_and_json_keys_read_alike():
     assert compare(results, agents=8) == (8, [])  # dp has no turns there
     assert compare(results, base="oneway") == (None, [])
     assert "| 0-2k | short | 1 | 2.00 | 0.200 | 0.100 | 500 |" in format_rows(rows, "bidir", "dp", 4)
+
+
+def test_buckets_give_each_quantile_ratio_with_an_interval_from_the_same_turns():
+    mine = [turn(s, 1, 0.1 * (s + 1)) for s in range(10)] + [turn(s, 2, 0.5, prompt=2500) for s in range(10)]
+    twins = [turn(s, 1, 0.1 * (s + 1)) for s in range(10)] + [
+        turn(s, 2, 0.25, prompt=2500) for s in range(10)
+    ]
+    rows = by_bucket(mine, twins, long_tools=[[3, 2], [4, 2]])  # JSON gives lists
+    assert [(r["bucket"], r["turns"]) for r in rows] == [("0-2k", 10), ("2-4k", 10), ("long_tool", 2)]
+    same, twice, long = rows
+    # The same TTFTs: every resample of the same turns gives 1.
+    assert same["p50"] == (1.0, 1.0, 1.0) and same["p90"] == (1.0, 1.0, 1.0)
+    assert twice["p90"] == (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2.0))
+    assert long["p50"][0] == pytest.approx(2.0)
+
+
+def test_a_ratio_of_few_noisy_turns_has_a_wide_interval_and_many_a_narrow_one():
+    import random
+
+    rng = random.Random(1)
+
+    def noisy(n):
+        return [(rng.lognormvariate(0, 0.5), rng.lognormvariate(0, 0.5)) for _ in range(n)]
+
+    few = paired_quantile_ratio(noisy(12), 0.9)
+    many = paired_quantile_ratio(noisy(2000), 0.9)
+    assert few[1] < few[0] < few[2] and many[1] <= many[0] <= many[2]
+    assert few[2] - few[1] > 3 * (many[2] - many[1]) and many[2] - many[1] < 0.2
+    assert paired_quantile_ratio([], 0.5) == (None, None, None)
+
+
+def test_the_report_has_a_bucket_table_per_mode_against_dp():
+    level = {"agents": 4, "meets_slo": True, "long_tools": [[0, 1]]}
+    results = {
+        "modes": {
+            m: {"levels": [level], "records": {4: [turn(0, 1, t)]}}
+            for m, t in (("dp", 0.1), ("bidir", 0.2), ("dp-again", 0.1))
+        }
+    }
+    text = "\n".join(tables(results))
+    assert "bidir against dp at 4 agents" in text and "dp-again against dp at 4 agents" in text
+    assert "| 0-2k | 1 | 2.00 [2.00-2.00] | 2.00 [2.00-2.00] |" in text
+    assert "| long_tool | 1 | 1.00 [1.00-1.00] | 1.00 [1.00-1.00] |" in text
+    assert "| 0-2k | short |" not in text and "| 0-2k | - | 1 | 2.00 |" in text  # by placement: bidir only
