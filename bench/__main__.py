@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--modes",
         help=f"comma-separated modes to deploy, in order, of {','.join(MODES)} (default: "
         f"{','.join(DEFAULT_MODES)}; without oneway for --api responses). dp: two single engines with "
-        "session affinity, the same engine count as P/D",
+        "session affinity, the same engine count as P/D; dp-again: dp once more "
+        "(dp,MODE,dp-again brackets MODE)",
     )
     p.add_argument(
         "--api",

@@ -224,16 +224,16 @@ def run_mode(
 
 
 def ratios(modes: dict[str, dict]) -> dict[str, Any]:
-    """Each bidir mode against dp and oneway: goodput, ITL p99 and TTFT p50 per history
-    bucket at the highest level both ran, and TTFT p50 and p90 per bucket at the highest
-    level both met the target (`..._met`)."""
+    """Each bidir mode against dp (and dp deployed again, `dp-again`) and oneway: goodput,
+    ITL p99 and TTFT p50 per history bucket at the highest level both ran, and TTFT p50 and
+    p90 per bucket at the highest level both met the target (`..._met`)."""
     out: dict[str, Any] = {}
     for mine in ("bidir", "bidir-host", "bidir-pd", "dp-again"):
         run_b = modes.get(mine)
         if run_b is None:
             continue
-        for other in ("dp", "oneway"):
-            run = modes.get(other)
+        for other in ("dp", "dp-again", "oneway"):
+            run = modes.get(other) if other != mine else None
             if run is None:
                 continue
             g_b, g_o = run_b["goodput"], run["goodput"]

@@ -104,7 +104,9 @@ def _level(results: dict[str, Any], mode: str, agents: int | None) -> tuple[list
     """A mode's records and figures at `agents` (keyed by an int in a run's own results, a
     string once read from JSON)."""
     records = results["modes"][mode].get("records") or {}
-    level = next((lv for lv in results["modes"][mode]["levels"] if lv["agents"] == agents), {})
+    level: dict[str, Any] = next(
+        (lv for lv in results["modes"][mode]["levels"] if lv["agents"] == agents), {}
+    )
     return records.get(agents, records.get(str(agents))) or [], level
 
 
@@ -160,11 +162,14 @@ def format_buckets(rows: list[dict[str, Any]], mode: str, base: str, agents: int
 
 def tables(results: dict[str, Any], modes: Sequence[str] = ("bidir", "bidir-host", "dp-again")) -> list[str]:
     """The paired tables of a run's report (`bench.fleet.markdown`): each of `modes` it ran
-    against dp, by bucket; the default's also by placement."""
+    against dp, by bucket, and against dp deployed again after it (`dp-again`: a run
+    `dp,MODE,dp-again` brackets MODE, so the machine's drift over the run shows); the
+    default's also by placement."""
     lines: list[str] = []
     for mode in modes:
-        if (paired := compare(results, mode, buckets=True))[1]:
-            lines += ["", format_buckets(paired[1], mode, "dp", paired[0])]
+        for base in ("dp", "dp-again"):
+            if base != mode and (paired := compare(results, mode, base, buckets=True))[1]:
+                lines += ["", format_buckets(paired[1], mode, base, paired[0])]
         if mode == "bidir" and (paired := compare(results, mode))[1]:
             lines += ["", format_rows(paired[1], mode, "dp", paired[0])]
     return lines

@@ -105,6 +105,7 @@ def test_the_report_has_a_bucket_table_per_mode_against_dp():
     }
     text = "\n".join(tables(results))
     assert "bidir against dp at 4 agents" in text and "dp-again against dp at 4 agents" in text
+    assert "bidir against dp-again at 4 agents" in text and "dp-again against dp-again" not in text
     assert "| 0-2k | 1 | 2.00 [2.00-2.00] | 2.00 [2.00-2.00] |" in text
     assert "| long_tool | 1 | 1.00 [1.00-1.00] | 1.00 [1.00-1.00] |" in text
     assert "| 0-2k | short |" not in text and "| 0-2k | - | 1 | 2.00 |" in text  # by placement: bidir only

@@ -531,6 +531,13 @@ def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(
     assert ref.goodput == {"dp": (1.6, 4), "bidir": (2.3, 8)}
     assert ref.ttft_p50["bidir"] == pytest.approx((0.1, 0.2, 0.3, 0.4))
     assert ref.levels[("dp", 8)] == (2.2, 0.5, 0.07) and ref.placement == "priced"
+    assert ref.sessions_per_agent == 1
+    # dp deployed again in the run (`dp-again`) is not a mode of its own here; a run of
+    # three sessions per agent is replayed as one.
+    modes["dp-again"] = modes["dp"]
+    run.write_text(json.dumps({"modes": modes, "sessions_per_agent": 3}))
+    again = read_reference(str(run))
+    assert set(again.goodput) == {"dp", "bidir"} and again.sessions_per_agent == 3
     modes["bidir"]["levels"][1]["placements"] = {"busy": 2, "idle": 40}  # the static rule's reasons
     run.write_text(json.dumps({"modes": modes}))
     assert read_reference(str(run)).placement == "static"

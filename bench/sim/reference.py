@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.sim.fleet import MODES
 from bench.stats import span_medians
 
 MEASURED_GOODPUT = {"dp": (2.36, 8), "oneway": (1.14, 4), "bidir": (2.35, 8), "bidir-pd": (4.35, 16)}
@@ -71,6 +72,8 @@ class Reference:
     hops: Mapping[str, Mapping[str, Mapping[str, float | None]]] = field(default_factory=dict)
     """Per mode and history bucket at 8 agents, the medians of TTFT, of the engines' spans
     and of the tokens computed (`bench.sim.study.hops`), where the run kept its turns."""
+    sessions_per_agent: int = 1
+    """Sessions a level gave each agent (`python -m bench --level-sessions`)."""
 
 
 DOCS_RUN = Reference(
@@ -94,6 +97,7 @@ def read_reference(path: str) -> Reference:
     levels: dict[tuple[str, int], tuple[float, float, float]] = {}
     steps: dict[tuple[str, int], Mapping[str, Any]] = {}
     reasons: set[str] = set()
+    run["modes"] = {m: r for m, r in run["modes"].items() if m in MODES}  # dp-again: dp's twin
     for mode, result in run["modes"].items():
         best = result.get("goodput") or {}
         goodput[mode] = (best.get("turns_per_s") or 0.0, best.get("agents") or 0)
@@ -106,7 +110,8 @@ def read_reference(path: str) -> Reference:
                 ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
     placement = "static" if reasons & {"busy", "idle"} else "priced"
     hops = {mode: _hops(result.get("records", {}).get("8") or []) for mode, result in run["modes"].items()}
-    return Reference(path, goodput, ttft, levels, placement, steps=steps, hops=hops)
+    spa = run.get("sessions_per_agent") or 1
+    return Reference(path, goodput, ttft, levels, placement, steps=steps, hops=hops, sessions_per_agent=spa)
 
 
 def _hops(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:

@@ -124,7 +124,8 @@ def cpu_table(
     rows: list[dict[str, Any]] = []
     for mode, (good, agents) in ref.goodput.items():
         spec = two_engines(mode, hw, placement=ref.placement)
-        runs = [run_mode(spec, shape, ramp=False, replay=seed) for seed in seeds]
+        spa = ref.sessions_per_agent
+        runs = [run_mode(spec, shape, ramp=False, sessions_per_agent=spa, replay=seed) for seed in seeds]
         goods = [_goodput(run["levels"]) for run in runs]
         at = Counter(a for _, a in goods).most_common(1)[0][0]
         sim_good = statistics.median([g for g, _ in goods]) or None
