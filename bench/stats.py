@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Mapping, Sequence
 
 BUCKETS = ((0, 2000), (2000, 4000), (4000, 8000), (8000, 16000), (16000, 1 << 30))
@@ -62,7 +63,6 @@ def paired_quantile_ratio(
     How far a ratio of a level's few turns may move from run to run on the same load."""
     if not pairs:
         return None, None, None
-    import random
 
     def at(sample: Sequence[tuple[float, float]]) -> float:
         a, b = nearest_rank((p[0] for p in sample), q), nearest_rank((p[1] for p in sample), q)

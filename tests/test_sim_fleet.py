@@ -533,7 +533,7 @@ def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(
     assert ref.levels[("dp", 8)] == (2.2, 0.5, 0.07) and ref.placement == "priced"
     assert ref.sessions_per_agent == 1
     # dp deployed again in the run (`dp-again`) is not a mode of its own here; a run of
-    # three sessions per agent is replayed as one.
+    # three sessions per agent is replayed with three.
     modes["dp-again"] = modes["dp"]
     run.write_text(json.dumps({"modes": modes, "sessions_per_agent": 3}))
     again = read_reference(str(run))

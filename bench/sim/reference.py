@@ -97,8 +97,8 @@ def read_reference(path: str) -> Reference:
     levels: dict[tuple[str, int], tuple[float, float, float]] = {}
     steps: dict[tuple[str, int], Mapping[str, Any]] = {}
     reasons: set[str] = set()
-    run["modes"] = {m: r for m, r in run["modes"].items() if m in MODES}  # dp-again: dp's twin
-    for mode, result in run["modes"].items():
+    modes = {m: r for m, r in run["modes"].items() if m in MODES}  # not dp-again, dp's twin
+    for mode, result in modes.items():
         best = result.get("goodput") or {}
         goodput[mode] = (best.get("turns_per_s") or 0.0, best.get("agents") or 0)
         for lv in result["levels"]:
@@ -109,7 +109,7 @@ def read_reference(path: str) -> Reference:
             if lv["agents"] == 8:
                 ttft[mode] = tuple(lv["buckets"][name]["ttft_p50_s"] for name in BUCKET_NAMES)
     placement = "static" if reasons & {"busy", "idle"} else "priced"
-    hops = {mode: _hops(result.get("records", {}).get("8") or []) for mode, result in run["modes"].items()}
+    hops = {mode: _hops(result.get("records", {}).get("8") or []) for mode, result in modes.items()}
     spa = run.get("sessions_per_agent") or 1
     return Reference(path, goodput, ttft, levels, placement, steps=steps, hops=hops, sessions_per_agent=spa)
 
