@@ -34,6 +34,13 @@ def nearest_rank(values: Iterable[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def share_over(values: Iterable[float], limit: float) -> float | None:
+    """The share of `values` above `limit` (None for no values): of a level's output gaps,
+    those past the ITL target, which its p99 allows 1% of."""
+    xs = list(values)
+    return sum(x > limit for x in xs) / len(xs) if xs else None
+
+
 SPANS = ("ttft", "prefill_engine", "decode_engine", "computed")
 """What `span_medians` summarises of a turn: its TTFT, its engines' spans (as
 `app.api.metrics.turn_hops` names them) and the prompt tokens its engines computed."""

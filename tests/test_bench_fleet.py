@@ -23,6 +23,8 @@ def test_a_level_meets_the_target_by_ttft_p90_and_itl_p99_and_no_error():
     assert level_stats([*fast[:9], rec(0, 10, 3.0)], 5.0, slo)["meets_slo"]
     assert not level_stats([*fast[:8], rec(0, 9, 3.0), rec(0, 10, 3.0)], 5.0, slo)["meets_slo"]
     assert not level_stats([rec(0, t, 0.5, itl=0.3) for t in range(1, 11)], 5.0, slo)["meets_slo"]
+    assert lv["itl_late_share"] == 0.0
+    assert level_stats([*fast[:9], rec(0, 10, 0.5, itl=0.3)], 5.0, slo)["itl_late_share"] == 0.1
     assert not level_stats([*fast, rec(0, 11, 0.1, ok=False)], 5.0, slo)["meets_slo"]
 
 

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from bench.paired import by_bucket, by_reason, compare, format_rows, tables
+from bench.paired import by_bucket, by_reason, compare, format_late, format_rows, tables
 from bench.stats import paired_quantile_ratio
 
 
-def turn(session, index, ttft, prompt=1500, cached=1000, placement=None, ok=True):
+def turn(session, index, ttft, prompt=1500, cached=1000, placement=None, ok=True, itl=()):
     return {
+        "itl_s": list(itl),
         "session": session,
         "turn": index,
         "ok": ok,
@@ -98,10 +99,11 @@ def test_a_ratio_of_few_noisy_turns_has_a_wide_interval_and_many_a_narrow_one():
 def test_the_report_has_a_bucket_table_per_mode_against_dp():
     level = {"agents": 4, "meets_slo": True, "long_tools": [[0, 1]]}
     results = {
+        "slo": {"itl_p99_s": 0.05},
         "modes": {
             m: {"levels": [level], "records": {4: [turn(0, 1, t)]}}
             for m, t in (("dp", 0.1), ("bidir", 0.2), ("dp-again", 0.1))
-        }
+        },
     }
     text = "\n".join(tables(results))
     assert "bidir against dp at 4 agents" in text and "dp-again against dp at 4 agents" in text
@@ -109,3 +111,23 @@ def test_the_report_has_a_bucket_table_per_mode_against_dp():
     assert "| 0-2k | 1 | 2.00 [2.00-2.00] | 2.00 [2.00-2.00] |" in text
     assert "| long_tool | 1 | 1.00 [1.00-1.00] | 1.00 [1.00-1.00] |" in text
     assert "| 0-2k | short |" not in text and "| 0-2k | - | 1 | 2.00 |" in text  # by placement: bidir only
+
+
+def test_the_share_of_outputs_past_the_itl_target_is_counted_per_mode_from_the_records():
+    results = {
+        "slo": {"itl_p99_s": 0.05},
+        "modes": {
+            # dp: 2 of 100 gaps past 50 ms (a failed turn's are not counted); bidir: 1 of 200.
+            "dp": {
+                "levels": [],
+                "records": {
+                    4: [turn(0, 1, 0.1, itl=[0.01] * 98 + [0.06, 0.2]), turn(0, 2, 0.1, ok=False, itl=[1.0])]
+                },
+            },
+            "bidir": {"levels": [], "records": {4: [turn(0, 1, 0.1, itl=[0.05] * 199 + [0.051])]}},
+            "oneway": {"levels": [], "records": {4: []}},
+        },
+    }
+    line = format_late(results, ("bidir", "dp", "oneway"), 4)
+    assert "past the ITL target (50 ms) at 4 agents" in line
+    assert "bidir 0.50%, dp 2.00%, oneway -." in line
