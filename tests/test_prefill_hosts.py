@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from app.turn.pacing import DecodeStreams, LegPace
-from app.turn.placement import DecodeLoad, Limits, Placement, PrefillLoad, Reason, place, place_hosted
+from app.turn.pacing import DecodeStreams
+from app.turn.placement import DecodeLoad, Limits, Placement, Reason, place_hosted
 from app.turn.replicas import HOST_RETRY_S, hosting_replica
 from connector.handle import first_leg_params, local_decode_params
 from connector.store import TurnOutcome
@@ -169,89 +169,23 @@ def test_a_hosted_turn_stays_until_its_streams_come_late_beyond_their_share():
     assert place_hosted(300, unmeasured, LIMITS, pace=1e-5).late_outputs == 0
 
 
-def test_late_decode_streams_end_hosting():
-    # The regime rule: once a decode replica's streams come late beyond their share, decode
-    # needs prefill's legs, which would stall hosted streams: a hosted session goes to
-    # decode, and no new one is hosted. Legs in flight alone do not end it (they are priced
-    # against the hosted streams, `place`'s `host`).
+def test_prefill_legs_in_flight_end_hosting():
+    # The regime rule: while prefill runs legs it is needed for them, which would stall
+    # the streams it hosts: a hosted session goes to decode, and no new one is hosted.
     idle = DecodeLoad(seconds_per_token=1e-3)
-    assert place_hosted(30, idle, LIMITS, decode_within=True).reason is Reason.HOSTED
-    assert place_hosted(30, idle, LIMITS, decode_within=False).reason is Reason.ITL
+    assert place_hosted(30, idle, LIMITS, legs_in_flight=0).reason is Reason.HOSTED
+    assert place_hosted(30, idle, LIMITS, legs_in_flight=1).reason is Reason.ITL
     streams = DecodeStreams()
     last = lambda replicas: sorted(replicas)[-1]  # noqa: E731  # prefill-0 among equals
-    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0.0, last) == HOST
-    for _ in range(50):
-        streams.of("decode-0").late.observe(1.0)
-    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0.0, last) is None
-    streams = DecodeStreams()
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 0.0, last) == HOST
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 500, 0.0, last) is None
     # A decode replica less loaded takes the session.
     streams.of(HOST).streams = 1
-    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0.0, last) is None
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 0.0, last) is None
     streams.of(HOST).streams = 0
     # Late beyond their share: no new session until it has streamed nothing HOST_RETRY_S.
     for _ in range(50):
         streams.of(HOST).late.observe(1.0)
     streams.of(HOST).last_end = 100.0
-    assert hosting_replica([HOST], ["decode-0"], streams, {}, 105.0, last) is None
-    assert hosting_replica([HOST], ["decode-0"], streams, {}, 100.0 + HOST_RETRY_S, last) == HOST
-
-
-PREFILL = PrefillLoad(seconds_per_token=1e-4, handoff_s=0.03)
-"""A prefill pool ten times as fast a token as the decode replica below."""
-
-
-def test_a_leg_that_would_stall_hosted_streams_stays_on_a_decode_replica_that_can_afford_it():
-    slow = DecodeLoad(seconds_per_token=1e-3)  # 1,000 tokens: 1 s here, 0.13 s through prefill
-    assert place(1000, PREFILL, slow, LIMITS).reason is Reason.LATER
-    # The prefill replica hosts two streams stepping at 30 ms: the leg's 0.1 s of prompt in
-    # one step makes each late once, past a budget of none: the turn holds on decode.
-    hosting = DecodeLoad(seconds_per_token=1e-4, streams=2, seconds_per_step=0.03, late_budget=0)
-    held = place(1000, PREFILL, slow, LIMITS, host=hosting)
-    assert held.local and held.reason is Reason.HOLD and held.decode_s == pytest.approx(1.0)
-    # Streams that can afford two late outputs take the leg; so do none at all.
-    roomy = DecodeLoad(seconds_per_token=1e-4, streams=2, seconds_per_step=0.03, late_budget=2)
-    assert place(1000, PREFILL, slow, LIMITS, host=roomy).reason is Reason.LATER
-    assert place(1000, PREFILL, slow, LIMITS, host=DecodeLoad(seconds_per_token=1e-4)).reason is Reason.LATER
-    # Nothing measured on prefill yet: the same.
-    unmeasured = PrefillLoad(seconds_per_token=None)
-    assert place(1000, unmeasured, slow, LIMITS, host=hosting).reason is Reason.HOLD
-    assert place(1000, unmeasured, slow, LIMITS).reason is Reason.LATER
-    # A turn decode's own streams cannot afford goes through prefill all the same.
-    late = DecodeLoad(seconds_per_token=1e-3, streams=2, seconds_per_step=0.03, late_budget=0)
-    assert place(1000, PREFILL, late, LIMITS, host=hosting).reason is Reason.ITL
-
-
-async def test_a_late_decode_replica_ends_hosting(model_dir):
-    rig = hosting_rig(model_dir)
-    text1, _, r1 = await rig.turn(text=P1)
-    assert r1.decode_replica == HOST
-    make_late(rig, "decode-1")  # decode needs prefill's legs now
-    _, _, r2 = await rig.turn(text=P1 + text1 + USER2)
-    assert r2.placement == "itl" and rig.turns.counts["host_handoff"] == 1
-    assert r2.decode_replica in ("decode-0", "decode-1")
-    _, _, r3 = await rig.turn(text=P1 + " another session", session="s2")
-    assert r3.decode_replica in ("decode-0", "decode-1") and rig.turns.counts["placed_hosted"] == 1
-
-
-async def test_a_decode_sessions_turn_holds_rather_than_stall_the_streams_prefill_hosts(model_dir):
-    long_user = "\nUSER: " + "x" * 100 + "\nASSISTANT:"  # past `decode_local_tokens` here
-    for streams, placed in ((2, "hold"), (0, "later")):
-        rig = hosting_rig(model_dir, **{"transfer.decode_local_tokens": 32})
-        rig.turns.streams.of(HOST).streams = streams
-        rig.turns.local_pace[HOST] = pace = LegPace()
-        pace.seconds_per_token = 1e-3  # a leg there: 0.1 s, one step of its streams
-        if not streams:
-            make_late(rig, HOST)  # so that it hosts no new session
-        # A new session goes to decode (the prefill replica is busier, or late); prefill
-        # is not measured, so its first turn (46 tokens: 46 ms a step there, within the
-        # target) goes through it. Its long next turn would make prefill's streams late
-        # beyond their budget (none yet): it holds on decode.
-        text1, _, r1 = await rig.turn(text=P1)
-        assert r1.decode_replica in ("decode-0", "decode-1") and r1.placement == "later"
-        _, _, r2 = await rig.turn(text=P1 + text1 + long_user)
-        assert r2.placement == placed and rig.turns.counts["placed_hold"] == (placed == "hold")
-        if placed == "hold":  # computed where its session lives, no leg
-            assert len(rig.engines.prefill_requests) == 1 and r2.decode_replica == r1.decode_replica
-            assert rig.engines.decode_requests[-1][0].kv_params == local_decode_params()
-        else:
-            assert len(rig.engines.prefill_requests) == 2
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 105.0, last) is None
+    assert hosting_replica([HOST], ["decode-0"], streams, {}, 0, 100.0 + HOST_RETRY_S, last) == HOST

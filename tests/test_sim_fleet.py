@@ -194,18 +194,13 @@ def test_placement_reads_the_apps_paces_as_the_ingress_does(monkeypatch):
     real = policy.placement.place
     monkeypatch.setattr(policy.placement, "place", lambda *a: seen.append(a) or real(*a))
     state.place(100, "d0", 3000)
-    _, prefill, decode, limits, context, host = seen[-1]
-    assert host is None  # no prefill replica hosts sessions
+    _, prefill, decode, limits, context = seen[-1]
     assert prefill.fixed_s == pytest.approx(0.2, rel=1e-6)
     assert prefill.seconds_per_token == pytest.approx(1e-4, rel=1e-6)
     assert prefill.seconds_per_context == pytest.approx(5e-8, rel=1e-6)
     assert context == 3000
     assert decode.late_budget == state.streams.of("d0").late.budget
     assert limits.chunk_tokens == 256
-    # A hosting prefill replica with streams: the busiest is the one a leg would stall.
-    state.streams.of("p0").streams, state.streams.of("p1").streams = 1, 3
-    state.place(100, "d0", 3000, hosts=["p0", "p1", "p2"])
-    assert seen[-1][-1].streams == 3
 
 
 def test_late_outputs_spend_the_streams_budget():

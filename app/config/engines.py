@@ -163,12 +163,11 @@ class TransferConfig(Strict):
     prefill_hosts: bool = Field(
         False,
         description=(
-            "bidir with prefix caching on prefill: while decode's streams are within their late "
-            "budget a prefill replica hosts sessions as a decode replica does (their turns computed "
-            "and streamed there, as data parallel engines would, its prompts in `decode_chunk_tokens` "
-            "chunks; legs that would stall them beyond their budget stay on decode), and hands each "
-            "to decode through an ordinary P/D turn once decode's streams or its own come late "
-            "(`itl_target_ms`). Off: prefill only runs legs."
+            "bidir with prefix caching on prefill: while no prefill leg is in flight a prefill "
+            "replica hosts sessions as a decode replica does (their turns computed and streamed "
+            "there, as data parallel engines would, its prompts in `decode_chunk_tokens` chunks), "
+            "and hands each to decode through an ordinary P/D turn once legs run or its streams "
+            "come late (`itl_target_ms`). Off: prefill only runs legs."
         ),
     )
     itl_target_ms: float = Field(

@@ -115,7 +115,6 @@ class TurnCount(enum.StrEnum):
     PLACED_LATER = "placed_later"
     PLACED_IDLE = "placed_idle"
     PLACED_NO_REPLICA = "placed_no_replica"
-    PLACED_HOLD = "placed_hold"
     PLACED_HOSTED = "placed_hosted"
     # The prefill leg.
     PREFILL_TIMEOUT = "prefill_timeout"

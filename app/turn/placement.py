@@ -27,13 +27,7 @@ The priced rule (`place`) weighs both sides of a turn computing `n` new tokens:
   prefill, as does every turn while the streams there are late beyond their share.
 
 Decode-local when the turn is short (at most `short_tokens`) or comes sooner, and the
-streams can afford it; otherwise prefill. Where a prefill replica hosts sessions
-(`transfer.prefill_hosts`, `host`), a leg there stalls the streams it hosts as a prompt on
-decode stalls decode's: a turn whose leg would make them late beyond their budget stays on
-decode when decode's streams can afford it (`Reason.HOLD`), as a data parallel engine
-computes its own sessions' prompts. A turn decode's streams cannot afford goes through
-prefill all the same, and ends the hosting (`place_hosted`'s `decode_within`): decode
-needs prefill's legs. Until the replica's own pace is measured,
+streams can afford it; otherwise prefill. Until the replica's own pace is measured,
 prefill's stands in for it and the hand-off is not counted as a saving: only a queue on
 prefill can make decode sooner.
 """
@@ -64,14 +58,11 @@ class Reason(enum.StrEnum):
     """Prefill (the static rule): prefill has no leg in flight."""
     NO_REPLICA = "no_replica"
     """Prefill: the session has no decode replica yet whose load could be priced."""
-    HOLD = "hold"
-    """Decode: prefill would be sooner (or is unmeasured), but the leg would make the
-    streams a hosting prefill replica serves late beyond their budget; decode's can afford it."""
     HOSTED = "hosted"
     """A prefill replica that hosts the session computes and streams it (`place_hosted`)."""
 
 
-ON_DECODE = frozenset({Reason.SHORT, Reason.SOONER, Reason.BUSY, Reason.HOLD, Reason.HOSTED})
+ON_DECODE = frozenset({Reason.SHORT, Reason.SOONER, Reason.BUSY, Reason.HOSTED})
 """The reasons that send a turn to its decode replica; the others send it through prefill."""
 
 
@@ -143,17 +134,11 @@ class Placement:
 
 
 def place(
-    new_tokens: int,
-    prefill: PrefillLoad,
-    decode: DecodeLoad | None,
-    limits: Limits,
-    context: int = 0,
-    host: DecodeLoad | None = None,
+    new_tokens: int, prefill: PrefillLoad, decode: DecodeLoad | None, limits: Limits, context: int = 0
 ) -> Placement:
     """The priced rule: where a turn computing `new_tokens` (past the `context` tokens of
     history its decode replica holds) goes. `decode`: the session's decode replica (None:
-    it has none yet; then only the short rule applies). `host`: the prefill replica its
-    leg would run on, where that one hosts sessions (`place_hosted`); None: it hosts none."""
+    it has none yet; then only the short rule applies)."""
     if new_tokens > max(limits.short_tokens, limits.max_tokens):
         return Placement(False, Reason.TOO_LONG)
     if decode is None:
@@ -171,10 +156,7 @@ def place(
         return Placement(False, Reason.ITL, stream_step_s=stream_step, late_outputs=late)
     if new_tokens <= limits.short_tokens:
         return Placement(True, Reason.SHORT, stream_step_s=stream_step, late_outputs=late)
-    hold = host is not None and _holds(new_tokens, prefill, host, limits, context)
     if prefill.seconds_per_token is None or pace is None:
-        if hold:
-            return Placement(True, Reason.HOLD, stream_step_s=stream_step, late_outputs=late)
         return Placement(False, Reason.LATER)
     handoff = prefill.handoff_s or 0.0
     queued = prefill.tokens_in_flight + new_tokens
@@ -185,18 +167,8 @@ def place(
     if not measured:
         on_decode += handoff  # an unmeasured replica: only prefill's queue is a saving
     sooner = on_decode < on_prefill
-    reason = Reason.SOONER if sooner else Reason.HOLD if hold else Reason.LATER
-    return Placement(sooner or hold, reason, on_decode, on_prefill, stream_step, late)
-
-
-def _holds(new_tokens: int, prefill: PrefillLoad, host: DecodeLoad, limits: Limits, context: int) -> bool:
-    """Whether a leg computing `new_tokens` on `host` (a prefill replica that hosts
-    sessions) would make its streams late beyond their budget: then the turn stays on
-    decode where decode can afford it (`Reason.HOLD`)."""
-    measured = host.seconds_per_token is not None
-    pace = host.seconds_per_token if measured else prefill.seconds_per_token
-    per_context = host.seconds_per_context if measured else prefill.seconds_per_context
-    return _streams_cost(new_tokens, pace, per_context, host, limits, context)[2]
+    reason = Reason.SOONER if sooner else Reason.LATER
+    return Placement(sooner, reason, on_decode, on_prefill, stream_step, late)
 
 
 def place_hosted(
@@ -205,14 +177,12 @@ def place_hosted(
     limits: Limits,
     context: int = 0,
     pace: float | None = None,
-    decode_within: bool = True,
+    legs_in_flight: int = 0,
 ) -> Placement:
     """Where a turn of a session a prefill replica hosts goes: computed and streamed there
-    (`Reason.HOSTED`), unless the streams it hosted came late beyond their share or a
-    decode replica's did (not `decode_within`) (`Reason.ITL`: the fleet's load has grown
-    past hosting, and decode needs prefill's legs; until then legs are priced against the
-    hosted streams, `place`'s `host`), or the turn is longer than decode is ever given
-    (`Reason.TOO_LONG`);
+    (`Reason.HOSTED`), unless the streams it hosted came late beyond their share
+    or prefill legs are in flight (`Reason.ITL`: the regime rule, prefill is needed for
+    legs), or the turn is longer than decode is ever given (`Reason.TOO_LONG`);
     then through prefill as any P/D turn (the leg runs on that replica over the history it
     caches, and decode takes the session over). The turn's own stall is not a reason to
     leave: its leg would run on the same engine and stall the same streams, and its first
@@ -225,7 +195,9 @@ def place_hosted(
     stream_step, late, _ = _streams_cost(
         new_tokens, measured, host.seconds_per_context, host, limits, context
     )
-    stay = host.late_budget >= 0 and decode_within
+    # Prefill legs in flight (the fleet's load has grown past hosting: they would stretch
+    # its streams' steps), or its streams late beyond their share: its sessions go to decode.
+    stay = host.late_budget >= 0 and legs_in_flight <= 0
     return Placement(
         stay,
         Reason.HOSTED if stay else Reason.ITL,

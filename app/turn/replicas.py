@@ -40,24 +40,21 @@ def hosting_replica(
     decode: Collection[str],
     streams: DecodeStreams,
     paces: Mapping[str, LegPace],
+    legs_in_flight: int,
     now: float,
     choice: Callable[[Sequence[str]], str] = random.choice,
 ) -> str | None:
     """The prefill replica that hosts a new session (`transfer.prefill_hosts`), or None.
 
-    None while a decode replica's streams are late beyond their share: decode needs
-    prefill's legs (`app.turn.placement.place_hosted`'s `decode_within`). Else, of the
-    `prefill` replicas whose streams are within their late budget (the legs they run are
-    priced against those, `app.turn.placement.place`'s `host`) and the `decode` replicas,
-    the least loaded (streams, then prompt tokens in flight), by `choice` among equals as
-    data parallel engines share sessions out; a prefill replica if that one is.
-    A prefill replica whose streams came late and that has streamed nothing for
-    `HOST_RETRY_S` starts a fresh record: it may host again, and hands the session back if
-    its streams come late."""
-    if any(streams.of(r).late.budget < 0 for r in decode):
-        return None  # decode needs prefill's legs
+    None while prefill legs are in flight (`legs_in_flight`: prefill is needed for legs,
+    which would stall the streams it hosts). Else, of the `prefill` replicas whose streams
+    are within their late budget and the `decode` replicas, the least loaded (streams,
+    then prompt tokens in flight), by `choice` among equals as data parallel engines share
+    sessions out; a prefill replica if that one is. A prefill replica whose streams came
+    late and that has streamed nothing for `HOST_RETRY_S` starts a fresh record: it may
+    host again, and hands the session back if its streams come late."""
     hosts: list[str] = []
-    for replica in prefill:
+    for replica in prefill if legs_in_flight <= 0 else ():  # prefill legs run: no hosting
         record = streams.of(replica)
         if record.late.budget < 0 and record.idle_for(now) >= HOST_RETRY_S:
             record.forgive()

@@ -40,15 +40,7 @@ from app.turn.events import MissReason, TurnCount
 from app.turn.legs import Legs, Output, Prefilled, record_engine_timings
 from app.turn.model import Delta, EngineClients, Store, Tokenizer, TurnEvent, TurnInput, TurnResult
 from app.turn.pacing import DecodeStreams, LegPace, LocalLeg, loads
-from app.turn.placement import (
-    DecodeLoad,
-    Limits,
-    Placement,
-    Reason,
-    place,
-    place_hosted,
-    place_static,
-)
+from app.turn.placement import Limits, Placement, Reason, place, place_hosted, place_static
 from app.turn.replicas import hosting_replica, least_loaded
 from app.turn.session import Sessions, text_extends
 from app.turn.steps import Answer, Route
@@ -309,11 +301,7 @@ class Turns:
                     (self._local_pace(replica), self.streams.of(replica)) if replica else (None, None)
                 )
                 prefill, decode = loads(self.pace, self.streams.handoff, local, streams)
-                if self._placement is place:
-                    leg_host = self._leg_host()
-                    placement = place(new_tokens, prefill, decode, self._limits, context, leg_host)
-                else:
-                    placement = self._placement(new_tokens, prefill, decode, self._limits, context)
+                placement = self._placement(new_tokens, prefill, decode, self._limits, context)
         self.counts[TurnCount(f"placed_{placement.reason}")] += 1
         return placement, replica
 
@@ -334,6 +322,7 @@ class Turns:
             self._clients.decode_replicas() or (),
             self.streams,
             self.local_pace,
+            self.pace.tokens_in_flight,
             time.monotonic(),
         )
 
@@ -344,20 +333,8 @@ class Turns:
         engines' chunks (`app.engines.setup.decode_chunking`)."""
         prefill, load = loads(self.pace, self.streams.handoff, self._local_pace(host), self.streams.of(host))
         assert load is not None
-        within = all(self.streams.of(r).late.budget >= 0 for r in self._clients.decode_replicas() or ())
-        return place_hosted(new_tokens, load, self._limits, context, prefill.seconds_per_token, within)
-
-    def _leg_host(self) -> DecodeLoad | None:
-        """The load of the prefill replica a leg would stall the most streams on, where
-        prefill replicas host sessions (`app.turn.placement.place`'s `host`); None: none
-        streams any."""
-        if not self._cfg.prefill_hosts:
-            return None
-        hosts = [r for r in self._clients.prefill_replicas() or () if self.streams.of(r).streams > 0]
-        if not hosts:
-            return None
-        busiest = max(hosts, key=lambda r: self.streams.of(r).streams)
-        return loads(self.pace, self.streams.handoff, self._local_pace(busiest), self.streams.of(busiest))[1]
+        legs = self.pace.tokens_in_flight
+        return place_hosted(new_tokens, load, self._limits, context, prefill.seconds_per_token, legs)
 
     def _least_loaded_decode(self) -> str | None:
         """Of the running decode replicas, one with the fewest streams and prompt tokens in

@@ -343,8 +343,7 @@ class Fleet:
             hosted = replica.name if replica else self.placement.hosting(names, [e.name for e in self.decode])
             host = next((e for e in self.prefill if e.name == hosted), None)
             if host is not None:
-                decode = [e.name for e in self.decode]
-                reason = self.placement.place_hosted(prompt - history, host.name, history, decode)
+                reason = self.placement.place_hosted(prompt - history, host.name, history)
                 if reason or replica is not None:  # hosted, or handed to decode
                     self._affinity[session] = host if reason else self._least_loaded(self.decode)
                 else:  # a new session the host cannot afford: priced on decode, as any
@@ -356,8 +355,7 @@ class Fleet:
                 # A new session is priced on the least-loaded replica (`Turns._placement_of`;
                 # the static rule, as the CPU fleet study ran it, priced it on none).
                 priced_on = self.placement.least_loaded([e.name for e in self.decode])
-            hosts = [e.name for e in self.prefill] if self.hosts else []
-            reason = self.placement.place(new, priced_on, prompt - new, hosts)
+            reason = self.placement.place(new, priced_on, prompt - new)
             if reason is not None and replica is None:
                 self._affinity[session] = next(e for e in self.decode if e.name == priced_on)
         if reason is not None:

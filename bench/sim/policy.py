@@ -93,55 +93,43 @@ class PlacementState:
         tokens in flight (at random among equals, seeded)."""
         return least_loaded(replicas, self.streams, self.local, self._rng.choice)
 
-    def place(
-        self, new_tokens: int, replica: str | None, context: int = 0, hosts: Sequence[str] = ()
-    ) -> str | None:
+    def place(self, new_tokens: int, replica: str | None, context: int = 0) -> str | None:
         """Why the turn skips prefill, or None: the app's decision (the one seam), from
         the loads as `Turns._placement_of` reads them (`context`: the history its decode
-        replica holds; `hosts`: the prefill replicas that may host sessions, whose streams
-        a leg would stall, as `Turns._leg_host` finds them)."""
+        replica holds)."""
         t = self.transfer
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
         local, streams = (self.local_pace(replica), self.streams.of(replica)) if replica else (None, None)
         prefill, decode = pacing.loads(self.prefill, self.handoff, local, streams, self._clock())
-        if t.placement == "priced":
-            streaming = [r for r in hosts if self.streams.of(r).streams > 0]
-            busiest = max(streaming, key=lambda r: self.streams.of(r).streams) if streaming else None
-            host = self._load_of(busiest) if busiest else None
-            decided = placement.place(new_tokens, prefill, decode, limits, context, host)
-        else:
-            decided = placement.place_static(new_tokens, prefill, decode, limits, context)
+        policy = placement.place if t.placement == "priced" else placement.place_static
+        decided = policy(new_tokens, prefill, decode, limits, context)
         self.placed[str(decided.reason)] += 1
         return str(decided.reason) if decided.local else None
 
-    def place_hosted(
-        self, new_tokens: int, replica: str, context: int = 0, decode: Sequence[str] = ()
-    ) -> str | None:
+    def place_hosted(self, new_tokens: int, replica: str, context: int = 0) -> str | None:
         """`place` for a session a prefill replica hosts (`Turns._place_hosted`): "hosted",
-        or None (through prefill, to decode); `decode`: the decode replicas."""
+        or None (through prefill, to decode)."""
         t = self.transfer
         limits = placement.Limits(
             t.decode_local_tokens, t.decode_local_busy_tokens, t.itl_target_ms / 1000, self.decode_chunk
         )
-        pace = pacing.loads(self.prefill, self.handoff, None, None)[0].seconds_per_token
-        within = all(self.streams.of(r).late.budget >= 0 for r in decode)
-        load = self._load_of(replica)
-        decided = placement.place_hosted(new_tokens, load, limits, context, pace, within)
+        pool, load = pacing.loads(
+            self.prefill, self.handoff, self.local_pace(replica), self.streams.of(replica), self._clock()
+        )
+        assert load is not None
+        legs = self.prefill.tokens_in_flight
+        decided = placement.place_hosted(new_tokens, load, limits, context, pool.seconds_per_token, legs)
         self.placed[str(decided.reason)] += 1
         return str(decided.reason) if decided.local else None
 
-    def _load_of(self, replica: str) -> placement.DecodeLoad:
-        load = pacing.loads(
-            self.prefill, self.handoff, self.local_pace(replica), self.streams.of(replica), self._clock()
-        )[1]
-        assert load is not None
-        return load
-
     def hosting(self, prefill: Sequence[str], decode: Sequence[str]) -> str | None:
         """The prefill replica that hosts a new session, or None (`app.turn.replicas.hosting_replica`)."""
-        return hosting_replica(prefill, decode, self.streams, self.local, self._clock(), self._rng.choice)
+        legs = self.prefill.tokens_in_flight
+        return hosting_replica(
+            prefill, decode, self.streams, self.local, legs, self._clock(), self._rng.choice
+        )
 
     def prefill_leg(self, new_tokens: int, context: int = 0) -> Callable[[int], None]:
         """A prefill leg over `context` cached tokens starts (`app.turn.legs.Legs._paced_prefill`);
