@@ -10,7 +10,7 @@ import pytest
 
 from app.turn.pacing import LateTokens
 from bench.sim import policy
-from bench.sim.fleet import MODES, Fleet, FleetSpec
+from bench.sim.fleet import MODES, Fleet, FleetSpec, PrefixCache
 from bench.sim.params import cpu_fleet, gpu_qwen3_32b
 from bench.sim.study import level_figures, level_trace, warmup_trace, weighted_quantile
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
@@ -94,6 +94,21 @@ def test_reuse_computes_less_than_oneway():
         assert run.computed_tokens < prompts / 2
         # Every later turn found its history (nothing evicted at this size).
         assert all(t.route != "prefill-recompute" for t in run.turns if t.turn > 1)
+
+
+def test_a_history_is_found_in_whole_blocks_and_its_partial_block_computed():
+    hw = cpu_fleet()
+    trace = SHAPE.generate()
+    for mode in ("dp", "bidir-pd"):
+        _, run = _run(mode, trace)
+        later = [t for t in run.turns if t.turn > 1]
+        # vLLM's prefix cache and NIXL hold full blocks: a turn computes what it adds plus
+        # the tail of its history past the last full block, never less, never a block more.
+        assert all(0 <= t.computed_tokens - t.tokens < hw.block_size for t in later)
+        assert any(t.computed_tokens > t.tokens for t in later)
+    cache = PrefixCache(1000, block_size=16)
+    cache.insert("s", 100, 0)
+    assert cache.hit("s") == 96 and cache.hit("other") == 0
 
 
 def test_bidir_pd_never_computes_on_decode():

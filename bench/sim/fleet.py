@@ -114,15 +114,16 @@ class RunResult:
 
 class PrefixCache:
     """Per engine: the sessions whose last turn's KV it still holds, least recent first,
-    within the tokens its running sequences and pins leave free."""
+    within the tokens its running sequences and pins leave free; a hit is in whole blocks
+    (vLLM's prefix cache holds full blocks only: a history's last partial one is computed)."""
 
-    def __init__(self, capacity_tokens: int):
-        self.capacity = capacity_tokens
+    def __init__(self, capacity_tokens: int, block_size: int = 1):
+        self.capacity, self.block = capacity_tokens, block_size
         self._held: OrderedDict[str, int] = OrderedDict()
         self._total = 0
 
     def hit(self, session: str) -> int:
-        return self._held.get(session, 0)
+        return self._held.get(session, 0) // self.block * self.block
 
     def insert(self, session: str, tokens: int, busy_tokens: int) -> None:
         self._total += tokens - self._held.pop(session, 0)
@@ -165,7 +166,7 @@ class Fleet:
         if spec.mode != "dp":
             for e in hosting:
                 e.on_outputs = self._outputs_of(e.name)
-        self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size) for e in hosting}
+        self.caches = {e.name: PrefixCache(hw.kv_blocks * hw.block_size, hw.block_size) for e in hosting}
         stored = spec.mode in ("bidir", "bidir-pd", "bidir-host")
         self.store = policy.make_store(clock, hw.block_size) if stored else None
         if self.store is not None:
@@ -332,7 +333,7 @@ class Fleet:
             claim = store.begin_turn(session)
             self._result.store_calls += 1
             if claim.handle is not None:
-                history = min(claim.handle.num_tokens, prompt - 1)
+                history = min(claim.handle.num_tokens // hw.block_size * hw.block_size, prompt - 1)
                 if history < max(1, self.transfer.recompute_threshold_tokens):
                     history = 0
         elif mode == "bidir-nopin" and replica is not None:
