@@ -11,7 +11,7 @@ import pytest
 from app.turn.pacing import LateTokens
 from bench.sim import policy
 from bench.sim.fleet import MODES, Fleet, FleetSpec, PrefixCache
-from bench.sim.params import cpu_fleet, gpu_qwen3_32b
+from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, cpu_fleet, gpu_qwen3_32b
 from bench.sim.study import level_figures, level_trace, warmup_trace, weighted_quantile
 from bench.traces import Trace, TraceSession, TraceShape, TraceTurn
 
@@ -739,6 +739,10 @@ def test_a_reads_cost_is_a_measured_case_or_an_operators_own():
     what, fixed_s, rate = read_cost("20:12")
     assert (fixed_s, rate) == (pytest.approx(0.020), pytest.approx(12e9)) and "20 ms + 12 GB/s" in what
     assert read_cost("measured-handoff")[1:] == READ_MEASURED["measured-handoff"][1:]
+    # The RFC's hand-off beyond the transfer, on the modelled transfer at EFA's line rate.
+    _, fixed_s, rate = read_cost("line-rate-handoff")
+    assert fixed_s == pytest.approx(GPU_NIXL_LATENCY_S + READ_MEASURED["measured-handoff"][1])
+    assert rate == EFA_BYTES_PER_S_PER_GPU
     for bad in ("fast", "20", "20:0", "-1:5", "a:b"):
         with pytest.raises(ValueError):
             read_cost(bad)

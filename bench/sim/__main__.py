@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         "--reads",
         default="line-rate",
         help="--project: NIXL reads at EFA's line rate (line-rate, the default), as vLLM RFC #50913 "
-        "measured them on another cluster (measured-rate, measured-handoff), or MS:GBPS, your own: "
-        "a fixed cost per read and one GPU's rate (`bench.sim.published.read_cost`)",
+        "measured them on another cluster (measured-rate, measured-handoff; line-rate-handoff: its "
+        "hand-off on the line rate), or MS:GBPS, your own: a fixed cost per read and one GPU's rate "
+        "(`bench.sim.published.read_cost`)",
     )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)

@@ -57,9 +57,15 @@ READ_MEASURED = {
         READ_MEASURED_HANDOFF_S,
         READ_MEASURED_BYTES_PER_S,
     ),
+    "line-rate-handoff": (
+        "the modelled transfer (EFA's line rate) and those 110 ms of hand-off, each read",
+        GPU_NIXL_LATENCY_S + READ_MEASURED_HANDOFF_S,
+        EFA_BYTES_PER_S_PER_GPU,
+    ),
 }
-"""Each read priced as vLLM RFC #50913 measured it: (what, fixed seconds, bytes/s per GPU);
-`python -m bench.sim --project --reads KEY` projects with it."""
+"""Each read priced as vLLM RFC #50913 measured it (its rate, and the hand-off beyond the
+transfer; or that hand-off added to the modelled transfer): (what, fixed seconds, bytes/s
+per GPU); `python -m bench.sim --project --reads KEY` projects with it."""
 
 
 def benchmark_trace(first_prompt: int = GPU_HISTORY_TOKENS, seed: int = 0) -> Trace:
