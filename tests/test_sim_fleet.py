@@ -497,6 +497,11 @@ def test_the_validation_report_counts_the_band_and_the_runs_range():
     assert "1 of the 2 TTFT figures measured in more than one run within +-20% of their range" in report
     assert "| 0.100-0.120 |" in report and "each GPU would read at 2.5 GB/s" in report
     assert "reads at 4 GB/s: MFU 0.700, one-way 778 ms, pull 400 ms: 1.95x (within the band)" in report
+    # A modelled pull already slower than the published one: no read rate matches it.
+    gpu.update(ratio=1.5, within=True, read_bandwidth_to_match=None)
+    report = format_report([inside], gpu)
+    assert "1.50x against 1.69x published (within the band)" in report
+    assert "no read rate would" in report and "would read at" not in report
 
 
 def test_a_measured_run_and_a_grid_of_that_day_can_be_the_validations_reference(tmp_path):
@@ -661,17 +666,18 @@ def test_the_step_waits_fitted_on_a_run_bring_the_simulated_steps_to_the_measure
 def test_reads_as_measured_elsewhere_price_each_gpus_link_and_keep_the_published_one_way_mean():
     """`--project --reads measured-rate`: NIXL reads at the rate vLLM RFC #50913 measured
     (167 MB in 38.7 ms), no fixed cost, the MFU refitted to the published one-way mean."""
-    from bench.sim.published import PUBLISHED_ONEWAY_S, READ_MEASURED, fit_mfu, gpu_mean_ttft, with_reads
+    from bench.sim.published import PUBLISHED_ONEWAY_S, READS, fit_mfu, gpu_mean_ttft, with_reads
 
     hw = with_reads("measured-rate", tp=8)
     assert hw.link.latency_s == 0.0
     assert hw.link.bytes_per_s == pytest.approx(8 * 167e6 / 0.0387)
     assert "measured-rate" in hw.name
-    _, fixed_s, rate = READ_MEASURED["measured-rate"]
+    _, fixed_s, rate = READS["measured-rate"]
     mfu = fit_mfu(nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=rate)
     oneway, _ = gpu_mean_ttft("oneway", mfu, nixl_latency_s=fixed_s, efa_bytes_per_s_per_gpu=rate)
     assert oneway == pytest.approx(PUBLISHED_ONEWAY_S, rel=0.01)
-    assert mfu > fit_mfu()  # slower reads leave less of the published mean to compute
+    # Slower reads than the transfer at EFA's line rate leave less of the published mean to compute.
+    assert mfu > fit_mfu(nixl_latency_s=GPU_NIXL_LATENCY_S)
 
 
 def test_the_engines_spans_are_summarised_alike_from_a_run_and_from_the_simulation(tmp_path):
@@ -732,17 +738,22 @@ def test_the_engines_spans_are_summarised_alike_from_a_run_and_from_the_simulati
     assert format_hops([]) == ""
 
 
-def test_a_reads_cost_is_a_measured_case_or_an_operators_own():
-    """`--project --reads`: a `READ_MEASURED` key, or MS:GBPS from a cluster's own counters."""
-    from bench.sim.published import READ_MEASURED, read_cost
+def test_a_reads_cost_is_the_models_a_measured_case_or_an_operators_own():
+    """`--project --reads`: the model's own (transfer and vLLM RFC #50913's hand-off), a
+    `READS` key, or MS:GBPS from a cluster's own counters."""
+    from bench.sim.params import GPU_NIXL_HANDOFF_S, GPU_NIXL_READ_S
+    from bench.sim.published import DEFAULT_READS, READS, read_cost
 
     what, fixed_s, rate = read_cost("20:12")
     assert (fixed_s, rate) == (pytest.approx(0.020), pytest.approx(12e9)) and "20 ms + 12 GB/s" in what
-    assert read_cost("measured-handoff")[1:] == READ_MEASURED["measured-handoff"][1:]
-    # The RFC's hand-off beyond the transfer, on the modelled transfer at EFA's line rate.
-    _, fixed_s, rate = read_cost("line-rate-handoff")
-    assert fixed_s == pytest.approx(GPU_NIXL_LATENCY_S + READ_MEASURED["measured-handoff"][1])
-    assert rate == EFA_BYTES_PER_S_PER_GPU
+    assert read_cost("measured-handoff")[1:] == READS["measured-handoff"][1:]
+    # The model's read: the transfer at EFA's line rate and the RFC's 110 ms hand-off, which
+    # the GPU engines' link carries; "line-rate" is the transfer alone.
+    assert GPU_NIXL_HANDOFF_S == pytest.approx(0.110)
+    fixed_s, rate = read_cost(DEFAULT_READS)[1:]
+    assert (fixed_s, rate) == (pytest.approx(GPU_NIXL_LATENCY_S + 0.110), EFA_BYTES_PER_S_PER_GPU)
+    assert gpu_qwen3_32b(tp=2).link.latency_s == GPU_NIXL_READ_S
+    assert read_cost("line-rate")[1:] == (GPU_NIXL_LATENCY_S, EFA_BYTES_PER_S_PER_GPU)
     for bad in ("fast", "20", "20:0", "-1:5", "a:b"):
         with pytest.raises(ValueError):
             read_cost(bad)

@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--reads",
-        default="line-rate",
-        help="--project: NIXL reads at EFA's line rate (line-rate, the default), as vLLM RFC #50913 "
-        "measured them on another cluster (measured-rate, measured-handoff; line-rate-handoff: its "
-        "hand-off on the line rate), or MS:GBPS, your own: a fixed cost per read and one GPU's rate "
-        "(`bench.sim.published.read_cost`)",
+        default="line-rate-handoff",
+        help="--project: NIXL reads at EFA's line rate plus vLLM RFC #50913's hand-off "
+        "(line-rate-handoff, the default), the transfer alone (line-rate), as that RFC measured "
+        "them on another cluster (measured-rate, measured-handoff), or MS:GBPS, your own: a fixed "
+        "cost per read and one GPU's rate (`bench.sim.published.read_cost`)",
     )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sim import project, published
 
         try:
-            measured = None if args.reads == "line-rate" else published.with_reads(args.reads, project.TP)
+            measured = (
+                None
+                if args.reads == published.DEFAULT_READS
+                else published.with_reads(args.reads, project.TP)
+            )
         except ValueError as e:
             p.error(str(e))
         result = project.run(

@@ -11,9 +11,8 @@ Two hardware sets:
   from the fleet study it is validated against. The engines share the VM's 2 cores with
   the serving processes (`bench.sim.engine.HostCpu`), whose CPU per turn and per-leg
   overhead come from later runs of the study (their own accounting and timings).
-* `gpu_qwen3_32b(tp, gpu, mfu)`: Qwen3-32B in bf16 on p5en (H200) or p5 (H100) GPUs,
-  from the model's published configuration and the GPUs' and EFA's published figures.
-  Two figures have no published source and are marked as assumptions; `mfu` is fitted
+* `gpu_qwen3_32b(tp, gpu, mfu)`: Qwen3-32B in bf16 on p5en (H200) or p5 (H100) GPUs, from
+  published figures (model, GPUs, EFA, NIXL), two marked as assumptions; `mfu` is fitted
   to the published one-way TTFT (`bench.sim.published`).
 
 `Param` rows (name, value, source, the projection it moves most) are what
@@ -291,17 +290,15 @@ def cpu_fleet(grid: Grid | None = None) -> Hardware:
         Param(
             "step wait",
             "none (dp's engines and the P/D engines' apart, with --steps)",
-            "`python -m bench.sim --validate --run RUN --grid GRID --steps OTHER_RUN` fits them on "
-            "another run's decode steps beside that day's grid (`bench.sim.stepwait`; 2026-12-07: "
-            "3.0 and 5.6 ms)",
+            "`--steps OTHER_RUN`: fitted on another run's decode steps (`bench.sim.stepwait`; 3.0, 5.6 ms)",
             "ITL p99 and the meets at 4-8 agents",
         ),
         Param("cores", "2", "the VM's", "ITL p99 and goodput at 16+ agents"),
         Param(
             "host CPU per turn",
             f"{CPU_HOST_CPU_PER_TURN_S:.2f} s",
-            "`bench.hostcpu` around each level of the fleet study (`python -m bench --profile fleet "
-            "--modes dp,oneway,bidir,bidir-pd`, 2026-12-06): 0.13-0.32 s a turn over its 12 levels",
+            "`bench.hostcpu` around each level of `--profile fleet --modes dp,oneway,bidir,bidir-pd` "
+            "(2026-12-06): 0.13-0.32 s a turn over its 12 levels",
             "ITL p99 and goodput at 16+ agents",
         ),
     )
@@ -352,8 +349,11 @@ GPU_HBM_EFFICIENCY = 0.7
 GPU_STEP_OVERHEAD_S = 0.004
 """Assumption (no published figure used): scheduling and launch cost of one step."""
 GPU_NIXL_LATENCY_S = 0.064
-"""Fixed cost of one NIXL read: with EFA bandwidth, a 24k-token pull at TP8 costs 80 ms,
-the middle of the published 30-130 ms transfer cost (the AWS write-up)."""
+"""Fixed cost of one NIXL transfer: a 24k-token pull at TP8 then costs 80 ms, the middle of
+the AWS write-up's 30-130 ms."""
+GPU_NIXL_HANDOFF_S = 0.197 - 0.029 - 0.058
+"""A read's hand-off past its transfer and first step: vLLM RFC #50913 (`bench.sim.published`)."""
+GPU_NIXL_READ_S = GPU_NIXL_LATENCY_S + GPU_NIXL_HANDOFF_S
 GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default gpu_memory_utilization: the share of HBM for weights and KV."""
 
@@ -365,7 +365,7 @@ def gpu_qwen3_32b(
     *,
     hbm_efficiency: float = GPU_HBM_EFFICIENCY,
     step_overhead_s: float = GPU_STEP_OVERHEAD_S,
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    nixl_latency_s: float = GPU_NIXL_READ_S,
     efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
     memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> Hardware:
@@ -419,6 +419,7 @@ def gpu_qwen3_32b(
             "24k pull = 80 ms, mid of 30-130 ms",
             "bidir TTFT",
         ),
+        Param("NIXL hand-off", "110 ms a read", "vLLM RFC #50913 (8 L20): an upper reading", "bidir TTFT"),
         Param("HBM efficiency", f"{GPU_HBM_EFFICIENCY}", "ASSUMPTION (not published)", "ITL p99"),
         Param(
             "step overhead", f"{GPU_STEP_OVERHEAD_S * 1e3:.0f} ms", "ASSUMPTION (not published)", "ITL p99"

@@ -28,7 +28,7 @@ from bench.sim.params import (
     EFA_BYTES_PER_S_PER_GPU,
     GPU_HBM_EFFICIENCY,
     GPU_MEMORY_UTILIZATION,
-    GPU_NIXL_LATENCY_S,
+    GPU_NIXL_READ_S,
     GPU_STEP_OVERHEAD_S,
     Hardware,
     gpu_qwen3_32b,
@@ -217,7 +217,7 @@ def sensitivity(slo: SLO | None = None, scale: float = 1.25) -> dict[str, Any]:
         "mfu": mfu,
         "hbm_efficiency": GPU_HBM_EFFICIENCY,
         "step_overhead_s": GPU_STEP_OVERHEAD_S,
-        "nixl_latency_s": GPU_NIXL_LATENCY_S,
+        "nixl_latency_s": GPU_NIXL_READ_S,
         "efa_bytes_per_s_per_gpu": EFA_BYTES_PER_S_PER_GPU,
         "memory_utilization": GPU_MEMORY_UTILIZATION,
     }

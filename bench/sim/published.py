@@ -11,13 +11,15 @@ write-up gives no more than "24k": an assumption). The first turn of every conve
 computes its whole prompt in both modes. The engines' MFU is fitted to the one-way mean;
 the pull's mean (and so the ratio) is then predicted. Band: ratio within +-25%.
 
-`READ_MEASURED` prices each NIXL read as another published measurement found it: vLLM
-RFC #50913 traced the decode-side hand-off of vLLM's NixlConnector on 8 L20 GPUs
-(Qwen3-32B-FP8, TP2, 3P1D, block size 64): 197 ms p50 from the prefill's first token to
-the client's, of which the KV transfer is 29 ms and the first token's recompute, step
-alignment included, 58 ms; its transfers averaged 167 MB in 38.7 ms (4.3 GB/s). Another
-cluster, another GPU: context for what a read costs beyond the line rate, not a
-parameter of the projections.
+Each NIXL read costs its transfer (a fixed cost fitted to the write-up's 30-130 ms, then
+EFA's line rate) and a hand-off beyond it, as vLLM RFC #50913 traced vLLM's NixlConnector
+on 8 L20 GPUs (Qwen3-32B-FP8, TP2, 3P1D, block size 64): 197 ms p50 from the prefill's
+first token to the client's, of which the KV transfer is 29 ms and the first token's
+recompute, step alignment included, 58 ms (the simulated engines step for that); the
+other 110 ms are dispatch to the workers, completion notices and that router's serial
+dispatch. Another GPU and router, and this app has no serial dispatch: an upper reading
+of the hand-off. `READS` prices each read the other ways: the transfer alone, and at the
+rate the RFC measured (167 MB in 38.7 ms on average, 4.3 GB/s).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from dataclasses import replace
 from typing import Any
 
 from bench.sim.fleet import FleetSpec
-from bench.sim.params import EFA_BYTES_PER_S_PER_GPU, GPU_NIXL_LATENCY_S, Hardware, gpu_qwen3_32b
+from bench.sim.params import (
+    EFA_BYTES_PER_S_PER_GPU,
+    GPU_NIXL_HANDOFF_S,
+    GPU_NIXL_LATENCY_S,
+    GPU_NIXL_READ_S,
+    Hardware,
+    gpu_qwen3_32b,
+)
 from bench.traces import Trace, TraceSession, TraceTurn
 
 GPU_BAND = 0.25
@@ -46,26 +55,19 @@ BENCH_CLIENTS, BENCH_ACTIVE = 2, 6
 
 READ_MEASURED_BYTES_PER_S = 167e6 / 0.0387
 """vLLM RFC #50913: decode-side transfers of 167 MB in 38.7 ms on average (4.3 GB/s)."""
-READ_MEASURED_HANDOFF_S = 0.197 - 0.029 - 0.058
-"""vLLM RFC #50913 / PR #51919: the hand-off's 197 ms p50 less its 29 ms transfer and the
-58 ms first-token recompute (the simulated engines step for that): 110 ms of dispatch to
-the workers, completion notices and the router's serial dispatch."""
-READ_MEASURED = {
-    "measured-rate": ("transfers at the measured 4.3 GB/s", 0.0, READ_MEASURED_BYTES_PER_S),
+READS = {
+    "line-rate": ("the transfer alone, no hand-off", GPU_NIXL_LATENCY_S, EFA_BYTES_PER_S_PER_GPU),
+    "measured-rate": ("the RFC's 4.3 GB/s, no hand-off", 0.0, READ_MEASURED_BYTES_PER_S),
     "measured-handoff": (
-        "and 110 ms of hand-off beyond the transfer, each read",
-        READ_MEASURED_HANDOFF_S,
+        "transfers at the RFC's 4.3 GB/s and its 110 ms of hand-off",
+        GPU_NIXL_HANDOFF_S,
         READ_MEASURED_BYTES_PER_S,
     ),
-    "line-rate-handoff": (
-        "the modelled transfer (EFA's line rate) and those 110 ms of hand-off, each read",
-        GPU_NIXL_LATENCY_S + READ_MEASURED_HANDOFF_S,
-        EFA_BYTES_PER_S_PER_GPU,
-    ),
 }
-"""Each read priced as vLLM RFC #50913 measured it (its rate, and the hand-off beyond the
-transfer; or that hand-off added to the modelled transfer): (what, fixed seconds, bytes/s
-per GPU); `python -m bench.sim --project --reads KEY` projects with it."""
+"""The other readings of a NIXL read (what, fixed seconds, bytes/s per GPU); the model's
+own is the transfer at EFA's line rate and the RFC's hand-off (`GPU_NIXL_READ_S`).
+`python -m bench.sim --project --reads KEY` projects with one."""
+DEFAULT_READS = "line-rate-handoff"
 
 
 def benchmark_trace(first_prompt: int = GPU_HISTORY_TOKENS, seed: int = 0) -> Trace:
@@ -90,7 +92,7 @@ def gpu_mean_ttft(
     mode: str,
     mfu: float,
     placement: str = "priced",
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    nixl_latency_s: float = GPU_NIXL_READ_S,
     efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
 ) -> tuple[float, float]:
     """(mean TTFT of every request, mean TTFT of the turns after each conversation's
@@ -142,7 +144,7 @@ def _crossing(
 
 def fit_mfu(
     target_s: float = PUBLISHED_ONEWAY_S,
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    nixl_latency_s: float = GPU_NIXL_READ_S,
     efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
 ) -> float:
     """The MFU at which the simulated benchmark's one-way mean TTFT is `target_s` over
@@ -159,7 +161,7 @@ def fit_mfu(
 
 def _means(
     mfu: float,
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    nixl_latency_s: float = GPU_NIXL_READ_S,
     efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
 ) -> tuple[float, float]:
     """The simulated benchmark's mean TTFT of every request, one-way and with the pull,
@@ -175,7 +177,7 @@ def _means(
 
 def _pull_ratio(
     mfu: float,
-    nixl_latency_s: float = GPU_NIXL_LATENCY_S,
+    nixl_latency_s: float = GPU_NIXL_READ_S,
     efa_bytes_per_s_per_gpu: float = EFA_BYTES_PER_S_PER_GPU,
 ) -> float:
     """The simulated benchmark's one-way / pull ratio of mean TTFTs over this link."""
@@ -193,12 +195,14 @@ def read_latency_to_match(mfu: float, ratio: float) -> float:
     return _crossing(lambda latency: _pull_ratio(mfu, nixl_latency_s=latency) > ratio, 0.0, 2.0, 16)
 
 
-def read_bandwidth_to_match(mfu: float, ratio: float) -> float:
+def read_bandwidth_to_match(mfu: float, ratio: float) -> float | None:
     """The NIXL read bandwidth per GPU (bytes/s) at which the simulated one-way / pull ratio
     of the benchmark's means is `ratio` (MFU and read latency held; bisection on a log
     scale). At TP8 each GPU holds one of Qwen3-32B's 8 KV heads, so a read moves one
     block of one head per layer per descriptor (a few KiB): a link's rate of messages, not
-    its line rate, may bound it."""
+    its line rate, may bound it. None: the ratio is `ratio` or less at the line rate."""
+    if _pull_ratio(mfu) <= ratio:
+        return None
     return _crossing(
         lambda bandwidth: _pull_ratio(mfu, efa_bytes_per_s_per_gpu=bandwidth) <= ratio,
         1e8,
@@ -229,7 +233,7 @@ def gpu_case() -> dict[str, Any]:
         "within": _within_band(ratio),
         "read_latency_to_match_s": read_latency_to_match(mfu, PUBLISHED_RATIO),
         "read_bandwidth_to_match": read_bandwidth_to_match(mfu, PUBLISHED_RATIO),
-        "read_measured": [measured_read(*read) for read in READ_MEASURED.values()],
+        "read_measured": [measured_read(*read) for read in READS.values()],
     }
 
 
@@ -250,17 +254,19 @@ def measured_read(name: str, fixed_s: float, bytes_per_s: float) -> dict[str, An
 
 
 def read_cost(reads: str) -> tuple[str, float, float]:
-    """(what, fixed seconds, bytes/s per GPU) of a NIXL read: a `READ_MEASURED` key, or
+    """(what, fixed seconds, bytes/s per GPU) of a NIXL read: the model's own, a `READS` key, or
     "MS:GBPS" for reads measured elsewhere (a fixed cost in milliseconds, and the rate one
     GPU's reads reach in GB/s: from the app's `ray_kvturn_nixl_transfer_*` counters)."""
-    if reads in READ_MEASURED:
-        _, fixed_s, bytes_per_s = READ_MEASURED[reads]
-        return f"{reads} (vLLM RFC #50913)", fixed_s, bytes_per_s
+    if reads == DEFAULT_READS:
+        return reads, GPU_NIXL_READ_S, EFA_BYTES_PER_S_PER_GPU
+    if reads in READS:
+        what, fixed_s, bytes_per_s = READS[reads]
+        return f"{reads} ({what})", fixed_s, bytes_per_s
     try:
         ms, gbps = (float(x) for x in reads.split(":"))
     except ValueError:
         raise ValueError(
-            f"reads {reads!r}: one of {', '.join(READ_MEASURED)}, or MS:GBPS (e.g. 20:12)"
+            f"reads {reads!r}: one of {', '.join([DEFAULT_READS, *READS])}, or MS:GBPS (e.g. 20:12)"
         ) from None
     if ms < 0 or gbps <= 0:
         raise ValueError(f"reads {reads!r}: a fixed cost >= 0 ms and a rate > 0 GB/s")
@@ -292,12 +298,15 @@ def format_case(gpu: dict[str, Any]) -> str:
         f"  one conversation alone, its second turn: one-way {gpu['alone_oneway_s'] * 1e3:.0f} ms, "
         f"pull {gpu['alone_pull_s'] * 1e3:.0f} ms",
         f"  to match 1.69x, each NIXL read would cost {gpu['read_latency_to_match_s'] * 1e3:.0f} ms "
-        f"of fixed time (modelled: {gpu_qwen3_32b().link.latency_s * 1e3:.0f} ms; the write-up's "
-        "transfer cost is 30-130 ms)",
-        f"  or, its latency held, each GPU would read at {gpu['read_bandwidth_to_match'] / 1e9:.1f} GB/s "
-        f"(modelled: {EFA_BYTES_PER_S_PER_GPU / 1e9:.0f} GB/s, EFA's line rate)",
-        "  each read as vLLM RFC #50913 measured reads on another cluster (8 L20, TP2; context, "
-        "not the model's parameters):",
+        f"of fixed time (modelled: {GPU_NIXL_LATENCY_S * 1e3:.0f} ms of transfer, the write-up's "
+        f"30-130 ms, and {GPU_NIXL_HANDOFF_S * 1e3:.0f} ms of hand-off, vLLM RFC #50913's)",
+        (
+            f"  or, its latency held, each GPU would read at {bandwidth / 1e9:.1f} GB/s "
+            f"(modelled: {EFA_BYTES_PER_S_PER_GPU / 1e9:.0f} GB/s, EFA's line rate)"
+            if (bandwidth := gpu["read_bandwidth_to_match"])
+            else "  (no read rate would: at EFA's line rate the modelled pull is slower than published)"
+        ),
+        "  each read priced another way (the MFU refitted each time):",
     ]
     for m in gpu.get("read_measured", ()):
         lines.append(
