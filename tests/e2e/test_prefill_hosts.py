@@ -26,6 +26,10 @@ SETTINGS = {
     "transfer.prefill_hosts": True,
     "transfer.decode_local_tokens": 48,
     "transfer.decode_local_busy_tokens": BUSY_LIMIT,
+    # Outputs on a loaded 2-core runner often come past 40 ms, and a replica whose streams
+    # came late hosts nothing new until it has idled 10 s: a lenient target keeps that rule
+    # (tests/test_prefill_hosts.py) out of these tests of hosting and its hand-offs.
+    "transfer.itl_target_ms": 1000.0,
 }
 
 
