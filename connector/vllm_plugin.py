@@ -23,7 +23,10 @@ delayed frees and connector bookkeeping are left), the engine core now waits up 
 interval for a new request instead of 1 ms. A request that arrives wakes it at once, so
 latency is unchanged; transfer completions are polled at that interval, which only
 delays the release of blocks whose reader is already done. Requests waiting for remote
-KV count as waiting: the engine keeps its fast loop while a pull is in flight.
+KV count as waiting: the engine keeps its fast loop while a pull is in flight. Each poll
+is itself an empty step (a worker round trip, an output to the replica), so the app polls
+twice a second (`transfer.idle_poll_ms`): at 20 ms the two engines of a P/D pair burnt
+about a fifth of a core between turns (docs/benchmarks.md).
 
 3. The engine core and its worker waiting for each other (`KVTURN_WORKER_SPIN_MS`). vLLM
 runs the model in a worker process beside the engine core and passes every step's input

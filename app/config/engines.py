@@ -202,12 +202,14 @@ class TransferConfig(Strict):
         ),
     )
     idle_poll_ms: float = Field(
-        20.0,
+        500.0,
         ge=0,
         description=(
             "While an engine holds finished turns' blocks for transfer and has nothing to compute, "
-            "it checks transfer completions this often instead of spinning every millisecond "
-            "(new requests still wake it at once). 0: vLLM's own loop."
+            "it checks transfer completions this often instead of stepping every millisecond "
+            "(new requests, releases and block queries still wake it at once). Each check is an "
+            "empty step through the worker and the replica; only the freeing of blocks a reader "
+            "already finished (or whose TTL passed) waits for it. 0: vLLM's own loop."
         ),
     )
     nixl_progress_poll_ms: float = Field(
