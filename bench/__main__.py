@@ -145,6 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fleet profiles: sessions per agent at each level; a level keeps its agents running at "
         "once and starts the next session as one ends (more turns for its TTFT by history bucket)",
     )
+    w.add_argument(
+        "--max-agents",
+        type=int,
+        help="fleet profiles: run only the levels of at most this many agents (the first runs anyway)",
+    )
     w.add_argument("--system-tokens", type=int, help="shared system prompt length")
     w.add_argument("--user-tokens", type=int, help="user message length")
     w.add_argument("--tool-tokens", type=int, help="tool result length")

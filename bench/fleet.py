@@ -1,7 +1,7 @@
 """`python -m bench --profile fleet --modes dp,oneway,bidir`: goodput at a latency target.
 
 Per mode: deploy once, warm up, then ramp the number of concurrent agents through
-`LEVELS` (4-32 on CPU; 4-64 with `--profile fleet-gpu`) until a level misses the target.
+`LEVELS` (4-32 on CPU, 4-64 with `fleet-gpu`, to `--max-agents`) until a level misses.
 Each level runs a fresh trace of that many agents (`bench.traces`, the profile's shape;
 its own system prompts, so levels do not share cache) to its end (`--level-sessions K`:
 K sessions per agent, that many agents at once, for more turns a level), with the engines'
@@ -46,6 +46,11 @@ ARRIVAL_WINDOW_S = 5.0
 running at once, not an arrival rate."""
 LONG_TOOL_TOKENS = 1000
 """A turn whose tool result is at least this long counts as a long tool result."""
+
+
+def ramp(profile: str, max_agents: int | None = None) -> tuple[int, ...]:
+    """The levels a mode runs: the profile's `LEVELS` to `max_agents` (`--max-agents`), the first always."""
+    return tuple(n for i, n in enumerate(LEVELS[profile]) if i == 0 or max_agents is None or n <= max_agents)
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,8 @@ def run_mode(
     counter: TokenCounter,
     slo: SLO,
     log,
-    sessions_per_agent: int = 1,
+    sessions_per_agent: int,
+    levels: tuple[int, ...],  # `ramp`
 ) -> dict:
     from bench.runner import engine_counters
 
@@ -165,7 +171,7 @@ def run_mode(
     app = f"fleet-{mode}"
     cfg = prof.app_config(mode, model_path, app)
     log(f"[{mode}] deploying")
-    levels: list[dict[str, Any]] = []
+    measured: list[dict[str, Any]] = []
     records_by_level: dict[int, list[dict]] = {}
     with deployed(cfg, cluster=cluster, name=app, health_timeout_s=300.0) as dep:
         url, deploy_s = dep.url, dep.deploy_s
@@ -175,7 +181,7 @@ def run_mode(
         )
         asyncio.run(run_workload(url, model, warm, session_prefix=f"warm-{uuid.uuid4().hex[:6]}"))
         roles = ("PrefillServer", "DecodeServer") if cfg.disaggregated else ("DecodeServer",)
-        for agents in LEVELS[prof.name]:
+        for agents in levels:
             shape = replace(
                 prof.trace, sessions=agents * sessions_per_agent, arrival_rate_per_s=agents / ARRIVAL_WINDOW_S
             )
@@ -208,7 +214,7 @@ def run_mode(
                 "long_tools": sorted(long_tools),
                 "cpu_s": spent(cpu_before, cpu, sum(1 for r in records if r.ok)),
             }
-            levels.append(level)
+            measured.append(level)
             log(f"[{mode}] {agents} agents: {level}")
             records_by_level[agents] = [r.as_dict() for r in records]
             if not level["meets_slo"]:
@@ -217,8 +223,8 @@ def run_mode(
     return {
         "mode": mode,
         "deploy_s": round(deploy_s, 1),
-        "levels": levels,
-        "goodput": goodput(levels),
+        "levels": measured,
+        "goodput": goodput(measured),
         "kv_turns": (kv or {}).get("turns"),
         "records": records_by_level,
     }
@@ -421,15 +427,15 @@ def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
     counter = TokenCounter(model_path)
     started = time.perf_counter()
     runs: dict[str, dict] = {}
-    sessions_per_agent = getattr(args, "level_sessions", 1)
+    per_agent, levels = getattr(args, "level_sessions", 1), ramp(prof.name, getattr(args, "max_agents", None))
     with LocalCluster(args.port, prof.env, num_cpus=cluster_cpus()) as cluster:
         for mode in modes:
-            runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log, sessions_per_agent)
+            runs[mode] = run_mode(cluster, prof, mode, model_path, counter, slo, log, per_agent, levels)
     results = {
         "profile": prof.name,
         "slo": asdict(slo),
-        "levels": list(LEVELS[prof.name]),
-        "sessions_per_agent": sessions_per_agent,
+        "levels": list(levels),
+        "sessions_per_agent": per_agent,
         "trace": asdict(prof.trace) if prof.trace else None,
         "modes": runs,
         "ratios": ratios(runs),
@@ -439,10 +445,6 @@ def main(args, prof: Profile, model_path: str, modes: list[str], log) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))
     png = None if args.no_plot else plot(results, out.with_suffix(".png"))
-    print(markdown(results))
-    print(
-        f"\nresults: {out}"
-        + (f"\nplot: {png}" if png else "")
-        + f"\ntotal time: {results['duration_s']:.0f} s"
-    )
+    print(markdown(results) + f"\n\nresults: {out}" + (f"\nplot: {png}" if png else ""))
+    print(f"total time: {results['duration_s']:.0f} s")
     return 1 if any(lv["errors"] for run in runs.values() for lv in run["levels"]) else 0

@@ -103,9 +103,12 @@ def test_every_bidir_mode_is_compared_and_a_ramp_stops_at_the_first_miss():
     modes = {"bidir-pd": _run(1.0, 2.4, True, 0.1, 0.2), "dp": _run(1.0, 1.6, True, 0.2, 0.2)}
     r = ratios(modes)
     assert r["goodput_bidir-pd_over_dp"] == 1.5 and "goodput_bidir_over_dp" not in r
-    from bench.fleet import LEVELS
+    from bench.fleet import LEVELS, ramp
 
     assert LEVELS["fleet"] == tuple(sorted(LEVELS["fleet"]))  # ramps go up
+    assert ramp("fleet") == LEVELS["fleet"]
+    assert ramp("fleet", max_agents=8) == (4, 8) and ramp("fleet", max_agents=10) == (4, 8)
+    assert ramp("fleet-gpu", max_agents=2) == (4,)  # the first level runs whatever the cap
 
 
 def test_long_tool_results_are_split_by_where_they_were_computed_and_placements_counted():
